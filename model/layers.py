@@ -1,0 +1,146 @@
+"""Transformer building blocks in plain PyTorch: embeddings, attention, FFN, encoder/decoder layers.
+
+No parallelism lives here; `parallel/` wraps these modules into pipeline stages.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.norms import StackNorm
+
+
+def xavier_normal_linear(linear: nn.Linear, gain: float) -> None:
+    """Xavier-normal weight with `gain` (std = gain·sqrt(2/(fan_in+fan_out))), zero bias."""
+    nn.init.xavier_normal_(linear.weight, gain=gain)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """The tensor2tensor/fairseq sinusoid table: sin in the first half, cos in the second."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
+    angles = torch.arange(num_positions, dtype=torch.float32)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_positions, 1)], dim=1)
+    return table
+
+
+class SharedEmbedding(nn.Module):
+    """Token embedding shared by source, target and the output projection.
+
+    embed(tokens) = dropout(√d · E[tokens] + P[positions]); E ~ N(0, d^-1/2), pad row zero.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.d_model))
+        nn.init.normal_(self.weight, mean=0.0, std=cfg.d_model**-0.5)
+        with torch.no_grad():
+            self.weight[cfg.pad_id].zero_()
+        self.pad_id = cfg.pad_id
+        self.scale = math.sqrt(cfg.d_model)
+        self.register_buffer("positions", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        length = tokens.size(1)
+        if offset + length > self.positions.size(0):
+            raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
+                             f"{self.positions.size(0)}")
+        x = self.scale * F.embedding(tokens, self.weight, padding_idx=self.pad_id)
+        x = x + self.positions[offset:offset + length].to(x.dtype)
+        return self.dropout(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output projection tied to the embedding: h·Eᵀ."""
+        return F.linear(h, self.weight)
+
+
+class MultiheadAttention(nn.Module):
+    """Attention with separate Q/K/V/O projections (each gets its own init gain)."""
+
+    def __init__(self, cfg: ModelConfig, norm: StackNorm):
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.head_dim = d // cfg.heads
+        self.dropout = cfg.attention_dropout
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
+        for name, lin in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj), ("o", self.out_proj)):
+            xavier_normal_linear(lin, norm.gain(name))
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, query: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None = None,
+                causal: bool = False) -> torch.Tensor:
+        """`mask` is boolean, broadcastable to [B, H, Tq, Tk], True where attention is allowed."""
+        q = self._split(self.q_proj(query))
+        k = self._split(self.k_proj(memory))
+        v = self._split(self.v_proj(memory))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        b, _, t, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """FC2(act(FC1(x))) with dropout after the activation."""
+
+    def __init__(self, cfg: ModelConfig, norm: StackNorm):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn_dim)
+        self.fc2 = nn.Linear(cfg.ffn_dim, cfg.d_model)
+        xavier_normal_linear(self.fc1, norm.gain("fc1"))
+        xavier_normal_linear(self.fc2, norm.gain("fc2"))
+        self.act = F.relu if cfg.activation == "relu" else F.gelu
+        self.dropout = nn.Dropout(cfg.activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then FFN, each inside the stack's residual block."""
+
+    def __init__(self, cfg: ModelConfig, norm: StackNorm):
+        super().__init__()
+        self.self_attn = MultiheadAttention(cfg, norm)
+        self.self_attn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
+        self.ffn = FeedForward(cfg, norm)
+        self.ffn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.self_attn_res(x, lambda h: self.self_attn(h, h, src_mask))
+        return self.ffn_res(x, self.ffn)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention to the encoder output, FFN."""
+
+    def __init__(self, cfg: ModelConfig, norm: StackNorm):
+        super().__init__()
+        self.self_attn = MultiheadAttention(cfg, norm)
+        self.self_attn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
+        self.cross_attn = MultiheadAttention(cfg, norm)
+        self.cross_attn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
+        self.ffn = FeedForward(cfg, norm)
+        self.ffn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
+
+    def forward(self, x: torch.Tensor, enc: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.self_attn_res(x, lambda h: self.self_attn(h, h, causal=True))
+        x = self.cross_attn_res(x, lambda h: self.cross_attn(h, enc, src_mask))
+        return self.ffn_res(x, self.ffn)
+
+
+def source_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """[B, 1, 1, S] boolean mask, True on real (non-pad) source tokens."""
+    return (src_tokens != pad_id)[:, None, None, :]

@@ -1,0 +1,198 @@
+"""The encoder-decoder as a DeepSpeed `PipelineModule`.
+
+Stage tuple protocol (what every pipeline layer receives and returns):
+
+  data → stage 0      (src [B,S] int64, tgt_in [B,T] int64)
+  between stages      (h [B,S+T,d] float, src [B,S] int64, tgt_in [B,T] int64)
+  last layer → loss   logits [B,T,V]
+  labels (last stage) (tgt_out [B,T] int64, scale [] float32)
+
+`h = cat([encoder states, decoder states], dim=1)`: the first S positions are the encoder stream,
+the last T the decoder stream. Encoder layers update the first part, decoder layers the second
+and read the first as cross-attention memory, so the encoder output rides through every decoder
+stage and its gradient accumulates back through them. One float tensor per message is deliberate:
+DeepSpeed backpropagates a stage once per float tensor it sent (with retain_graph), and caches
+receive buffers by tuple index regardless of dtype; a single float tensor at index 0 with int
+tensors after it avoids both. S, T and the padding masks are recomputed from the int tensors on
+each stage, so no mask or length travels and nothing is None. Shapes change per micro-batch, so
+the module is built with `dynamic_shape=True`.
+
+`scale` turns the summed loss of a micro-batch into its share of the token-weighted mean over
+the whole global batch: scale = (micro-batches per step · dp) / (target tokens in the global
+batch). DeepSpeed divides by the micro-batch count and averages over dp, so the step's loss and
+gradient are exactly those of Σ loss / Σ tokens over all micro-batches, as in fairseq.
+"""
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced
+from torch import nn
+
+from model.config import ModelConfig
+from model.layers import source_mask
+from model.transformer import build_layer, layer_plan, smoothed_loss_sum
+
+
+class EmbedPipe(nn.Module):
+    """(src, tgt_in) → (h, src, tgt_in); owns the shared embedding (tied with OutputPipe)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = build_layer(cfg, "embed")
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        src, tgt_in = inputs
+        return torch.cat([self.embed(src), self.embed(tgt_in)], dim=1), src, tgt_in
+
+
+def output_logits(module: EmbedPipe, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Forward of the last layer: logits of the decoder part through the tied embedding."""
+    h, src, _ = inputs
+    return module.embed.logits(h[:, src.size(1):])
+
+
+class EncoderPipe(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str = "encoder"):
+        super().__init__()
+        self.layer = build_layer(cfg, kind)
+        self.pad_id = cfg.pad_id
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        h, src, tgt_in = inputs
+        s = src.size(1)
+        x = self.layer(h[:, :s], source_mask(src, self.pad_id))
+        return torch.cat([x, h[:, s:]], dim=1), src, tgt_in
+
+
+class DecoderPipe(EncoderPipe):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, "decoder")
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        h, src, tgt_in = inputs
+        s = src.size(1)
+        enc = h[:, :s]
+        y = self.layer(h[:, s:], enc, source_mask(src, self.pad_id))
+        return torch.cat([enc, y], dim=1), src, tgt_in
+
+
+class FinalNormPipe(nn.Module):
+    """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder'."""
+
+    def __init__(self, cfg: ModelConfig, part: str):
+        super().__init__()
+        self.norm = build_layer(cfg, f"{part}_norm")
+        self.part = part
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        h, src, tgt_in = inputs
+        s = src.size(1)
+        if self.part == "encoder":
+            return torch.cat([self.norm(h[:, :s]), h[:, s:]], dim=1), src, tgt_in
+        return torch.cat([h[:, :s], self.norm(h[:, s:])], dim=1), src, tgt_in
+
+
+def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[float]:
+    """Forward FLOPs of each plan layer for one sequence pair of typical length.
+
+    Encoder layer: 8d² (Q,K,V,O) + 4·d·f (FFN) per token plus 4·S·d for attention scores and
+    mixing; a decoder layer adds cross-attention (another 8d² and 4·S·d), so with f = 4d it costs
+    4/3 of an encoder layer. The output layer is 2·V·d per target token, which makes the last
+    stage heavy for large vocabularies. Embedding and LayerNorms are small but not free.
+    """
+    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
+    enc = src_len * (8 * d * d + 4 * d * f + 4 * src_len * d)
+    dec = tgt_len * (16 * d * d + 4 * d * f + 4 * tgt_len * d + 4 * src_len * d)
+    cost = {"embed": (src_len + tgt_len) * d * 10, "encoder": enc, "decoder": dec,
+            "encoder_norm": src_len * d * 10, "decoder_norm": tgt_len * d * 10, "output": tgt_len * 2 * v * d}
+    return [float(cost[layer.kind]) for layer in layer_plan(cfg)]
+
+
+def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+    specs: list[LayerSpec] = []
+    for layer in layer_plan(cfg):
+        if layer.kind == "embed":
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tied_weight_attr=["embed.weight"]))
+        elif layer.kind == "output":
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, forward_fn=output_logits,
+                                       tied_weight_attr=["embed.weight"]))
+        elif layer.kind == "encoder":
+            specs.append(LayerSpec(EncoderPipe, cfg))
+        elif layer.kind == "decoder":
+            specs.append(LayerSpec(DecoderPipe, cfg))
+        else:
+            specs.append(LayerSpec(FinalNormPipe, cfg, layer.kind.split("_")[0]))
+    return specs
+
+
+def seed_torch(seed) -> None:
+    # DeepSpeed passes numpy integers, which torch.manual_seed rejects.
+    torch.manual_seed(int(seed))
+
+
+class TranslationPipe(PipelineModule):
+    """PipelineModule whose layers are partitioned by `layer_costs` (partition_method='cost')."""
+
+    def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost",
+                 activation_checkpoint_interval: int = 0):
+        # Set before PipelineModule.__init__, which calls _partition_layers.
+        object.__setattr__(self, "_costs", layer_costs(cfg))
+        object.__setattr__(self, "_plan", layer_plan(cfg))
+
+        def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            target, scale = labels
+            return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
+
+        super().__init__(
+            layers=layer_specs(cfg),
+            loss_fn=loss_fn,
+            topology=topology,
+            partition_method=partition_method,
+            activation_checkpoint_interval=activation_checkpoint_interval,
+            checkpointable_layers=["EncoderPipe", "DecoderPipe"],
+            seed_layers=True,
+            seed_fn=seed_torch,
+            base_seed=seed,
+            dynamic_shape=True,
+        )
+
+    def _partition_layers(self, method: str = "cost") -> None:
+        if method != "cost":
+            return super()._partition_layers(method)
+        self.parts = partition_balanced(weights=self._costs, num_parts=self.num_stages)
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    def describe_partition(self) -> str:
+        """One line per stage: its layers (by plan name) and its share of the cost model."""
+        total = sum(self._costs)
+        lines = []
+        for stage in range(self.num_stages):
+            lo, hi = self.parts[stage], self.parts[stage + 1]
+            kinds = [p.kind for p in self._plan[lo:hi]]
+            summary = ", ".join(f"{k}×{kinds.count(k)}" if kinds.count(k) > 1 else k
+                                for k in dict.fromkeys(kinds))
+            share = 100 * sum(self._costs[lo:hi]) / total
+            lines.append(f"  stage {stage}: layers {lo}-{hi - 1} ({summary}), {share:.1f}% of cost")
+        return "\n".join(lines)
+
+
+def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename one stage's `PipelineModule.state_dict()` to `EncoderDecoder` parameter names.
+
+    Pipeline keys are '<plan index>.<wrapper attr>.<rest>' or 'tied_modules.embed.embed.<rest>';
+    the wrappers hold the plain module as `.layer` (encoder/decoder), `.norm` (final LNs).
+    """
+    plan = layer_plan(cfg)
+    out = {}
+    for key, value in pipe_state.items():
+        if key.startswith("tied_modules.embed.embed."):
+            out["embed." + key[len("tied_modules.embed.embed."):]] = value
+            continue
+        index, wrapper, rest = key.split(".", 2)
+        layer = plan[int(index)]
+        if wrapper not in ("layer", "norm"):
+            raise KeyError(f"unexpected pipeline parameter {key}")
+        out[f"{layer.name}.{rest}"] = value
+    return out

@@ -1,0 +1,57 @@
+"""Shared fixtures: a small real corpus prepared once per test session, and launch helpers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# A small corpus from the bundled gettext catalogs: two languages, both directions.
+TINY_DATA = {"languages": ["de", "fr"], "vocab_size": 600, "max_tokens": 256,
+             "max_source_len": 48, "max_target_len": 48, "dev_size": 40, "test_size": 40}
+TINY_MODEL = {"encoder_layers": 3, "decoder_layers": 3, "d_model": 32, "heads": 4, "ffn_dim": 64,
+              "norm": "deepnorm", "dropout": 0.0}
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> str:
+    from data.config import DataConfig
+    from data.prepare import prepare_data
+
+    out = str(tmp_path_factory.mktemp("tiny") / "data")
+    prepare_data(DataConfig(**TINY_DATA), out, log=lambda *_: None)
+    return out
+
+
+def write_run_config(path: str, run_dir: str, data_dir: str, **sections) -> str:
+    """A YAML config for `run_dir` whose data/ is a link to the prepared `data_dir`."""
+    os.makedirs(run_dir, exist_ok=True)
+    link = os.path.join(run_dir, "data")
+    if not os.path.exists(link):
+        os.symlink(data_dir, link)
+    cfg = {"run_dir": run_dir, "model": dict(TINY_MODEL), "data": dict(TINY_DATA),
+           "parallel": {"pipeline_stages": 2}, "train": {"log_interval": 1, "warmup_steps": 2}}
+    for name, values in sections.items():
+        cfg.setdefault(name, {}).update(values)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def launch(world_size: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `script` under the real deepspeed launcher with `world_size` local ranks."""
+    from launcher.cli import deepspeed_command, launch_env
+
+    env = launch_env(world_size)
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(deepspeed_command(world_size, script, args), env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])
+    return proc
