@@ -66,6 +66,7 @@ class Trainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume(self) -> None:
+        self.check_compatible()
         path, client = self.engine.load_checkpoint(self.ckpt_dir)
         if path is None:
             raise RuntimeError(f"{self.ckpt_dir}: 'latest' names a checkpoint that cannot be loaded")
@@ -75,6 +76,23 @@ class Trainer:
         self.history = client["history"]
         log0(f"resumed from {path} at step {self.step}")
 
+    def check_compatible(self) -> None:
+        """Refuse, with the differing keys named, to resume a run whose model or layout changed."""
+        saved_cfg = os.path.join(self.cfg.run_dir, "config.json")
+        if not os.path.exists(saved_cfg):
+            return
+        with open(saved_cfg) as f:
+            saved = json.load(f)
+        now = to_dict(self.cfg)
+        # Activation checkpointing and precision may change between launches; these may not.
+        fixed = [("model", key) for key in now["model"] if key != "vocab_size"]
+        fixed += [("parallel", key) for key in ("pipeline_stages", "data_parallel", "zero_stage", "partition_method")]
+        diffs = [f"{section}.{key}: {saved[section].get(key)!r} → {now[section][key]!r}"
+                 for section, key in fixed if saved[section].get(key) != now[section][key]]
+        if diffs:
+            raise SystemExit(f"error: {self.ckpt_dir} was trained with another model or layout "
+                             f"({'; '.join(diffs)}). Use a new run_dir, or convert the checkpoint.")
+
     def save(self) -> str:
         tag = f"step{self.step}"
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
@@ -82,6 +100,8 @@ class Trainer:
         self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
+            with open(os.path.join(self.cfg.run_dir, "config.json"), "w") as f:
+                json.dump(to_dict(self.cfg), f, indent=2)
             tags = sorted((d for d in os.listdir(self.ckpt_dir) if d.startswith("step")),
                           key=lambda d: int(d[4:]))
             for old in tags[:-self.cfg.train.keep_checkpoints]:

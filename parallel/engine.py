@@ -1,6 +1,9 @@
 """DeepSpeed set-up: distributed initialisation, the engine config, the pipeline engine."""
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import socket
 
@@ -40,6 +43,7 @@ def setup_distributed() -> None:
         deepspeed.ops.__compatible_ops__ = {}
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
                                auto_mpi_discovery=False, verbose=False)
 
@@ -100,8 +104,9 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig):
         raise RuntimeError(f"launched {world} processes but the config asks for pipeline_stages × "
                            f"data_parallel = {p.pipeline_stages} × {p.data_parallel} = {cfg.world_size}")
     topology = PipeDataParallelTopology(num_pp=p.pipeline_stages, num_dp=p.data_parallel)
-    module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
-                             activation_checkpoint_interval=p.activation_checkpoint_interval)
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
+        module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
+                                 activation_checkpoint_interval=p.activation_checkpoint_interval)
     optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))

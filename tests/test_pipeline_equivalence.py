@@ -31,22 +31,23 @@ def pp2_run(tiny_data, tmp_path_factory):
         result = json.load(f)
     params = {}
     for rank in range(2):
-        params.update(torch.load(f"{out}.params.rank{rank}.pt", weights_only=True))
+        params.update(torch.load(f"{out}.params.stage{rank}.pt", weights_only=True))
     reference = reference_run(load_config(config), STEPS)
     return result, params, reference
 
 
 def test_batches_change_shape_between_steps_and_micro_batches(pp2_run):
     result, _, _ = pp2_run
+    result = result["plain"]
     shapes = result["uninterrupted"]["shapes"]
-    assert len({tuple(map(tuple, s)) for step in shapes for s in [tuple(map(tuple, x)) for x in step]}) > 3
+    assert len({tuple(map(tuple, micro)) for step in shapes for micro in step}) > 3
     assert any(len({tuple(x[0]) for x in step}) > 1 for step in shapes)  # within one step
     assert result["partition"][0] == 0 and 0 < result["partition"][1] < result["partition"][2]
 
 
 def test_pp2_losses_equal_single_process(pp2_run):
     result, _, ref = pp2_run
-    got = result["uninterrupted"]["loss"]
+    got = result["plain"]["uninterrupted"]["loss"]
     assert len(got) == STEPS
     for step, (a, b) in enumerate(zip(got, ref["loss"])):
         assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}: pipeline {a} vs reference {b}"
@@ -55,7 +56,7 @@ def test_pp2_losses_equal_single_process(pp2_run):
 
 def test_pp2_clipped_global_grad_norm_equals_single_process(pp2_run):
     result, _, ref = pp2_run
-    for step, (a, b) in enumerate(zip(result["uninterrupted"]["grad_norm"], ref["grad_norm"])):
+    for step, (a, b) in enumerate(zip(result["plain"]["uninterrupted"]["grad_norm"], ref["grad_norm"])):
         assert b > 0.05  # clipping was active
         assert a == pytest.approx(b, rel=1e-5), f"step {step + 1}: pipeline norm {a} vs reference {b}"
 
@@ -75,11 +76,24 @@ def test_pp2_parameters_after_training_equal_single_process(pp2_run):
     assert not torch.equal(params["encoder_layers.0.ffn.fc1.weight"], torch.zeros(1))
 
 
-def test_resumed_run_reproduces_uninterrupted_losses(pp2_run):
-    result, _, _ = pp2_run
+@pytest.mark.parametrize("scenario", ["plain", "dropout"])
+def test_resumed_run_reproduces_uninterrupted_losses(pp2_run, scenario):
+    result = pp2_run[0][scenario]
     assert result["resumed_from"] == SAVE_AT
     uninterrupted = result["uninterrupted"]["loss"][SAVE_AT:]
     resumed = result["resumed"]["loss"]
     assert len(resumed) == STEPS - SAVE_AT
     assert resumed == pytest.approx(uninterrupted, rel=1e-6)
     assert result["resumed"]["lr"] == pytest.approx(result["uninterrupted"]["lr"][SAVE_AT:], rel=1e-9)
+
+
+def test_activation_checkpointing_gives_identical_losses(pp2_run):
+    result = pp2_run[0]
+    assert result["activation_checkpointing"]["loss"] == pytest.approx(
+        result["plain"]["uninterrupted"]["loss"], rel=1e-6)
+
+
+def test_dropout_is_active_in_the_dropout_scenario(pp2_run):
+    result = pp2_run[0]
+    assert result["dropout"]["uninterrupted"]["loss"][0] != pytest.approx(
+        result["plain"]["uninterrupted"]["loss"][0], rel=1e-4)
