@@ -146,6 +146,8 @@ class Trainer:
             v = self.validate()
             self.history["valid"].append((0, v))
             log0(f"step 0 | valid loss {v:.4f}")
+        if self.step >= self.max_steps:
+            log0(f"run already at step {self.step} = train.max_steps; raise train.max_steps to continue")
         window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
         while self.step < self.max_steps:
             out = self.train_step()
