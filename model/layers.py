@@ -81,11 +81,27 @@ class MultiheadAttention(nn.Module):
         return x.view(b, t, self.heads, self.head_dim).transpose(1, 2)
 
     def forward(self, query: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None = None,
-                causal: bool = False) -> torch.Tensor:
-        """`mask` is boolean, broadcastable to [B, H, Tq, Tk], True where attention is allowed."""
+                causal: bool = False, cache: dict | None = None, static_kv: bool = False) -> torch.Tensor:
+        """`mask` is boolean, broadcastable to [B, H, Tq, Tk], True where attention is allowed.
+
+        Incremental decoding passes a `cache` dict (one per attention per layer). Self-attention
+        (static_kv=False) appends this step's keys/values to cache['k'/'v'] and attends to all of
+        them (the query is the newest position, so no causal mask is needed); cross-attention
+        (static_kv=True) projects the encoder output once and reuses it on later steps.
+        """
         q = self._split(self.q_proj(query))
-        k = self._split(self.k_proj(memory))
-        v = self._split(self.v_proj(memory))
+        if cache is not None and static_kv and "k" in cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            k = self._split(self.k_proj(memory))
+            v = self._split(self.v_proj(memory))
+            if cache is not None:
+                if not static_kv and "k" in cache:
+                    k = torch.cat([cache["k"], k], dim=2)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+        if cache is not None and not static_kv:
+            causal = causal and q.size(2) > 1  # a single new query may see every cached key
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              dropout_p=self.dropout if self.training else 0.0)
         b, _, t, _ = out.shape
@@ -135,9 +151,16 @@ class DecoderLayer(nn.Module):
         self.ffn = FeedForward(cfg, norm)
         self.ffn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
 
-    def forward(self, x: torch.Tensor, enc: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
-        x = self.self_attn_res(x, lambda h: self.self_attn(h, h, causal=True))
-        x = self.cross_attn_res(x, lambda h: self.cross_attn(h, enc, src_mask))
+    def forward(self, x: torch.Tensor, enc: torch.Tensor, src_mask: torch.Tensor,
+                cache: dict | None = None) -> torch.Tensor:
+        """`cache` (incremental decoding): {} on the first step, then the same dict each step;
+        x is then only the newest position(s)."""
+        self_cache = cross_cache = None
+        if cache is not None:
+            self_cache = cache.setdefault("self", {})
+            cross_cache = cache.setdefault("cross", {})
+        x = self.self_attn_res(x, lambda h: self.self_attn(h, h, causal=True, cache=self_cache))
+        x = self.cross_attn_res(x, lambda h: self.cross_attn(h, enc, src_mask, cache=cross_cache, static_kv=True))
         return self.ffn_res(x, self.ffn)
 
 
