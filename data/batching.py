@@ -1,54 +1,33 @@
 """The trainer's data feed: deterministic, resumable, length-bucketed, temperature-sampled.
 
-One epoch of training is built from ``(seed, epoch)`` alone:
+An epoch draws ``N = Σ n_d`` examples: direction ``d`` (``n_d`` examples) contributes
+``w_d = round(N·p_d)``, ``p_d ∝ (n_d/N)^(1/T)``, taken from a seeded permutation of its examples
+that starts again when used up (:func:`data.sampling.draws`); with T=1 every example appears
+exactly once. The epoch is cut into ``K = ⌈N / window⌉`` windows and window ``k`` takes draws
+``[w_d·k/K, w_d·(k+1)/K)`` of every direction, so each window mixes all directions in their
+sampled proportions. Inside a window the examples are shuffled, stable-sorted by (source length,
+target length) and cut greedily under the token budget (length bucketing), and the batches are
+shuffled.
 
-1. ``epoch_order``: direction ``i`` (``n_i`` examples) contributes ``round(N·p_i)`` examples,
-   ``p_i ∝ (n_i/N)^(1/T)``, ``N = Σn``; see :func:`data.sampling.multiplicities` for how
-   examples are repeated or left out. With T=1 every example appears exactly once.
-2. ``make_batches``: shuffle, stable-sort by (source length, target length) so that similar
-   lengths share a batch (little padding) while ties stay random, cut greedily under the token
-   budget, shuffle the batch order.
-
-Because nothing else feeds the order, resuming needs only ``(epoch, position)``: rebuild the
-epoch and skip ``position`` batches.
+Only one window (default ≤ 1M examples) is ever in memory, whatever the corpus size, and the
+order is a function of ``(seed, epoch, window)`` alone: resuming needs ``(epoch, window,
+position)``, stored in training checkpoints by :meth:`BatchStream.state_dict`.
 """
 
+import math
 import warnings
 
 import numpy as np
 import torch
 
-from data.binarize import open_indexed
+from data.dataset import PairDataset
 from data.errors import DataError
-from data.sampling import multiplicities, temperature_counts
+from data.sampling import draws, temperature_counts
 from data.spm import BOS_ID, PAD_ID
 
-
-class PairDataset:
-    """One binarised split: ``<prefix>.src``, ``<prefix>.tgt`` and ``<prefix>.dir.npy``."""
-
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.src = open_indexed(prefix + ".src")
-        self.tgt = open_indexed(prefix + ".tgt")
-        # Direction index of every example, into the manifest's ``directions``.
-        self.dir_ids = np.load(prefix + ".dir.npy")
-        self.src_lens = np.asarray(self.src.sequence_lengths, dtype=np.int64)
-        self.tgt_lens = np.asarray(self.tgt.sequence_lengths, dtype=np.int64)
-        sizes = {len(self.src_lens), len(self.tgt_lens), len(self.dir_ids)}
-        if len(sizes) != 1:
-            raise DataError(
-                f"{prefix}: .src has {len(self.src_lens)} sequences, .tgt {len(self.tgt_lens)}, "
-                f".dir.npy {len(self.dir_ids)}; prepare the data again"
-            )
-
-    def __len__(self) -> int:
-        return len(self.src_lens)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(source ids, target ids)`` of one example, as stored (tag+pieces+eos, pieces+eos)."""
-        index = int(index)
-        return self.src[index], self.tgt[index]
+WINDOW = 1_000_000
+"""Examples sorted together for length bucketing: large enough that batches are nearly
+padding-free, small enough (~50 MB of index arrays) to rebuild in well under a second."""
 
 
 def collate(
@@ -76,94 +55,63 @@ def collate(
     }
 
 
-def epoch_order(dir_ids: np.ndarray, temperature: float, seed: int, epoch: int) -> np.ndarray:
-    """Example indices of one training epoch, temperature-sampled over directions (unsorted;
-    up-sampled examples appear several times). The epoch keeps the corpus size ``N``."""
-    dir_ids = np.asarray(dir_ids)
-    directions, inverse = np.unique(dir_ids, return_inverse=True)
-    groups = [np.flatnonzero(inverse == k) for k in range(len(directions))]
-    sizes = np.array([len(group) for group in groups])
-    wants = temperature_counts(sizes, temperature, int(sizes.sum()))
-    # (seed, epoch, 1): a stream apart from make_batches' (seed, epoch).
-    rng = np.random.default_rng((seed, epoch, 1))
-    parts = [
-        np.repeat(group, multiplicities(len(group), int(want), rng))
-        for group, want in zip(groups, wants, strict=True)
-    ]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _cut(sorted_ids: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int):
-    """Greedy cut of length-sorted examples: a batch grows while ``n · max(longest source,
-    longest target)``, i.e. the size of its padded tensors, stays within ``max_tokens``."""
-    batches = []
-    start, longest = 0, 0
-    widths = np.maximum(src_lens[sorted_ids], tgt_lens[sorted_ids]).tolist()
-    for i, width in enumerate(widths):
-        if width > max_tokens:
-            raise DataError(
-                f"an example of {width} tokens exceeds max_tokens={max_tokens}; raise "
-                "data.max_tokens or lower data.max_source_len / data.max_target_len"
-            )
+def cut_batches(
+    ids: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int
+) -> list[np.ndarray]:
+    """Greedy cut of length-sorted examples (``src_lens``/``tgt_lens`` aligned with ``ids``): a
+    batch grows while ``n · max(longest source, longest target)`` — the size of its padded
+    tensors, hence of every pipeline stage's activations — stays within ``max_tokens``."""
+    widths = np.maximum(src_lens, tgt_lens)
+    if len(widths) and widths.max() > max_tokens:
+        raise DataError(
+            f"an example of {int(widths.max())} tokens exceeds max_tokens={max_tokens}; raise "
+            "data.max_tokens or lower data.max_source_len / data.max_target_len"
+        )
+    batches, start, longest = [], 0, 0
+    for i, width in enumerate(widths.tolist()):
         longest = max(longest, width)
         if (i - start + 1) * longest > max_tokens:
-            batches.append(sorted_ids[start:i])
+            batches.append(ids[start:i])
             start, longest = i, width
     if start < len(widths):
-        batches.append(sorted_ids[start:])
+        batches.append(ids[start:])
     return batches
 
 
-def _sort_by_length(ids: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray) -> np.ndarray:
-    # lexsort is stable and sorts by the last key first: source length, then target length.
-    return ids[np.lexsort((tgt_lens[ids], src_lens[ids]))]
-
-
-def make_batches(
-    src_lens: np.ndarray,
-    tgt_lens: np.ndarray,
-    max_tokens: int,
-    seed: int,
-    epoch: int,
-    order: np.ndarray | None = None,
+def bucket_batches(
+    src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: tuple
 ) -> list[np.ndarray]:
-    """Length-bucketed batches of ``order`` (default: every index once), in a seeded random
-    order. Each entry of ``order`` lands in exactly one batch; the result depends only on the
-    arguments, so the same call on another rank or after a restart gives the same batches."""
-    src_lens, tgt_lens = np.asarray(src_lens), np.asarray(tgt_lens)
-    ids = np.arange(len(src_lens)) if order is None else np.asarray(order, dtype=np.int64)
-    rng = np.random.default_rng((seed, epoch))
-    # Shuffle before the stable sort so that examples of equal lengths are mixed across
-    # directions instead of following the file order.
-    ids = _sort_by_length(ids[rng.permutation(len(ids))], src_lens, tgt_lens)
-    batches = _cut(ids, src_lens, tgt_lens, max_tokens)
+    """Length-bucketed batches of positions ``0..n-1`` (into the length arrays), in a seeded
+    random order; every position lands in exactly one batch. Shuffling before the stable sort
+    mixes examples of equal lengths across directions instead of following the file order."""
+    rng = np.random.default_rng(seed)
+    shuffle = rng.permutation(len(src_lens))
+    order = shuffle[np.lexsort((tgt_lens[shuffle], src_lens[shuffle]))]  # stable: source, target
+    batches = cut_batches(order, src_lens[order], tgt_lens[order], max_tokens)
     return [batches[k] for k in rng.permutation(len(batches))]
 
 
-def _collate_ids(dataset: PairDataset, ids: np.ndarray) -> dict:
-    batch = collate([dataset[i] for i in ids])
+def collate_ids(dataset: PairDataset, ids: np.ndarray) -> dict:
+    """Collated batch of global example ``ids``, plus ``ids`` and ``dirs`` (direction indices,
+    for per-direction losses)."""
+    directions, rows = dataset.locate(ids)
+    batch = collate([dataset.example(int(d), int(r)) for d, r in zip(directions, rows, strict=True)])
     batch["ids"] = torch.from_numpy(np.asarray(ids, dtype=np.int64))
-    batch["dirs"] = torch.from_numpy(dataset.dir_ids[ids].astype(np.int64))
+    batch["dirs"] = torch.from_numpy(directions.astype(np.int64))
     return batch
 
 
 def eval_batches(dataset: PairDataset, max_tokens: int) -> list[dict]:
     """Every example of a split once, length-sorted, no sampling and no shuffling: validation
-    loss is then comparable across runs. Batches carry ``ids`` and ``dirs`` (per-direction loss)."""
-    ids = _sort_by_length(np.arange(len(dataset)), dataset.src_lens, dataset.tgt_lens)
-    return [
-        _collate_ids(dataset, batch)
-        for batch in _cut(ids, dataset.src_lens, dataset.tgt_lens, max_tokens)
-    ]
+    loss is then comparable across runs."""
+    order = np.lexsort((dataset.tgt_lens, dataset.src_lens))
+    batches = cut_batches(order, dataset.src_lens[order], dataset.tgt_lens[order], max_tokens)
+    return [collate_ids(dataset, batch) for batch in batches]
 
 
 class BatchStream:
-    """Endless stream of training micro-batches over epochs, resumable exactly.
-
-    With data parallelism, every rank builds the same global sequence of batches and keeps every
-    ``dp_size``-th one starting at ``dp_rank``; ``next_step(n)`` consumes ``n · dp_size`` global
-    batches, so all ranks stay at the same ``(epoch, position)``.
-    """
+    """Endless stream of training micro-batches over epochs, resumable exactly. Every rank
+    builds the same global sequence; the trainer hands each data-parallel replica its share."""
 
     def __init__(
         self,
@@ -172,73 +120,139 @@ class BatchStream:
         seed: int,
         temperature: float,
         start_state: dict | None = None,
-        dp_rank: int = 0,
-        dp_size: int = 1,
+        window: int = WINDOW,
     ) -> None:
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
             raise DataError(f"{dataset.prefix} has no examples to train on")
         self.dataset = dataset
         self.max_tokens = max_tokens
         self.seed = seed
         self.temperature = temperature
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.window = window
+        sizes = dataset.direction_sizes
+        self.wants = temperature_counts(sizes, temperature, int(sizes.sum()))
+        """Examples each direction contributes to an epoch."""
+        self.windows = max(1, math.ceil(int(self.wants.sum()) / window))
+        """Windows per epoch."""
         self.epoch = 0
         """Epoch the last batch came from (0-based)."""
+        self.window_index = 0
+        """Window of ``epoch`` the last batch came from."""
         self.position = 0
-        """Global batches of ``epoch`` consumed so far."""
+        """Batches of that window consumed so far."""
         self._batches: list[np.ndarray] | None = None
         if start_state is not None:
             self.load_state_dict(start_state)
 
+    def window_examples(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(global ids, source lengths, target lengths)`` of window ``k`` of ``epoch``."""
+        ids, src, tgt = [], [], []
+        for d in np.flatnonzero(self.wants):
+            want = int(self.wants[d])
+            lo, hi = want * k // self.windows, want * (k + 1) // self.windows
+            if hi <= lo:
+                continue
+            rows = draws(int(self.dataset.direction_sizes[d]), lo, hi, (self.seed, epoch, int(d)))
+            s, t = self.dataset.lengths(int(d), rows)
+            ids.append(self.dataset.offsets[d] + rows)
+            src.append(s)
+            tgt.append(t)
+        return np.concatenate(ids), np.concatenate(src), np.concatenate(tgt)
+
+    def window_batches(self, epoch: int, k: int) -> list[np.ndarray]:
+        """Global batches (example ids) of window ``k`` of ``epoch``."""
+        ids, src, tgt = self.window_examples(epoch, k)
+        return [ids[b] for b in bucket_batches(src, tgt, self.max_tokens, (self.seed, epoch, k))]
+
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """Global batches (example indices) of ``epoch``."""
-        order = epoch_order(self.dataset.dir_ids, self.temperature, self.seed, epoch)
-        lens = (self.dataset.src_lens, self.dataset.tgt_lens)
-        return make_batches(*lens, self.max_tokens, self.seed, epoch, order=order)
+        """All batches of ``epoch`` (every window: for small corpora and tests)."""
+        return [b for k in range(self.windows) for b in self.window_batches(epoch, k)]
 
     def _current(self) -> list[np.ndarray]:
         if self._batches is None:
-            self._batches = self.epoch_batches(self.epoch)
+            self._batches = self.window_batches(self.epoch, self.window_index)
         return self._batches
 
     def next_step(self, n: int) -> list[dict]:
-        """The next ``n`` collated micro-batches of this rank, crossing into the next epoch
-        when the current one is used up."""
+        """The next ``n`` collated micro-batches, crossing into the next window or epoch when
+        the current one is used up."""
         out = []
-        for k in range(n * self.dp_size):
-            if self.position >= len(self._current()):
-                self.epoch, self.position, self._batches = self.epoch + 1, 0, None
-            ids = self._current()[self.position]
+        for _ in range(n):
+            while self.position >= len(self._current()):
+                self.window_index, self.position, self._batches = self.window_index + 1, 0, None
+                if self.window_index == self.windows:
+                    self.epoch, self.window_index = self.epoch + 1, 0
+            out.append(collate_ids(self.dataset, self._current()[self.position]))
             self.position += 1
-            if k % self.dp_size == self.dp_rank:
-                out.append(_collate_ids(self.dataset, ids))
         return out
 
     def state_dict(self) -> dict:
         """Position in the stream plus the settings that define the order."""
         return {
             "epoch": self.epoch,
+            "window": self.window_index,
             "position": self.position,
             "seed": self.seed,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
+            "window_size": self.window,
             "num_examples": len(self.dataset),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken. If the order-defining settings changed,
         the old position means nothing in the new order: start the following epoch afresh."""
-        self.epoch, self.position, self._batches = int(state["epoch"]), int(state["position"]), None
-        settings = ("seed", "temperature", "max_tokens")
-        changed = [key for key in settings if key in state and state[key] != getattr(self, key)]
-        if state.get("num_examples", len(self.dataset)) != len(self.dataset):
-            changed.append("num_examples")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.window_index, self._batches = int(state.get("window", 0)), None
+        current = {**self.state_dict(), "num_examples": len(self.dataset)}
+        keys = ("seed", "temperature", "max_tokens", "window_size", "num_examples")
+        changed = [key for key in keys if key in state and state[key] != current[key]]
         if changed:
             warnings.warn(
                 f"data order settings changed since the checkpoint ({', '.join(changed)}); "
                 f"continuing from the start of epoch {self.epoch + 1}",
                 stacklevel=2,
             )
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch, self.window_index, self.position = self.epoch + 1, 0, 0
+
+
+def epoch_stats(stream: BatchStream, epoch: int = 0, max_windows: int | None = None) -> dict:
+    """What an epoch looks like, from lengths alone (no token is read): batches, examples and
+    tokens, the padding fraction (pad slots / all slots of the src and tgt tensors), batch sizes
+    and widths, and examples per direction. ``max_windows`` limits the work on huge corpora; the
+    result then says how many windows it covers."""
+    windows = stream.windows if max_windows is None else min(max_windows, stream.windows)
+    per_direction = np.zeros(len(stream.dataset.direction_sizes), dtype=np.int64)
+    batches = examples = src_tokens = tgt_tokens = src_slots = tgt_slots = 0
+    sizes, widths = [], []
+    for k in range(windows):
+        ids, src, tgt = stream.window_examples(epoch, k)
+        for batch in bucket_batches(src, tgt, stream.max_tokens, (stream.seed, epoch, k)):
+            s, t = src[batch], tgt[batch]
+            batches += 1
+            examples += len(batch)
+            src_tokens, tgt_tokens = src_tokens + int(s.sum()), tgt_tokens + int(t.sum())
+            src_slots += len(batch) * int(s.max())
+            tgt_slots += len(batch) * int(t.max())
+            sizes.append(len(batch))
+            widths.append(max(int(s.max()), int(t.max())))
+        per_direction += np.bincount(stream.dataset.locate(ids)[0], minlength=len(per_direction))
+    slots = src_slots + tgt_slots
+    return {
+        "epoch": epoch,
+        "windows": f"{windows} of {stream.windows}",
+        "batches": batches,
+        "examples": examples,
+        "src_tokens": src_tokens,
+        "tgt_tokens": tgt_tokens,
+        "padding_fraction": 1 - (src_tokens + tgt_tokens) / max(slots, 1),
+        "src_padding_fraction": 1 - src_tokens / max(src_slots, 1),
+        "tgt_padding_fraction": 1 - tgt_tokens / max(tgt_slots, 1),
+        "mean_batch_size": examples / max(batches, 1),
+        "max_batch_size": max(sizes, default=0),
+        "max_width": max(widths, default=0),
+        "max_tokens": stream.max_tokens,
+        "examples_per_direction": dict(
+            zip(stream.dataset.directions, per_direction.tolist(), strict=True)
+        ),
+    }

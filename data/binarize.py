@@ -1,30 +1,26 @@
-"""Binarising a corpus split into megatron-core indexed datasets.
+"""Binarising shards into megatron-core indexed datasets.
 
-Per split three sets of files are written, aligned by position:
-
-- ``<split>.src.{bin,idx}``: ``[<2tgt>] + pieces(source) + [eos]``
-- ``<split>.tgt.{bin,idx}``: ``pieces(target) + [eos]`` (the decoder input ``[bos] + target[:-1]``
-  is built at batch time, so it costs no disk)
-- ``<split>.dir.npy``: int16 index into the manifest's list of directions
-
-Every pair gives two examples, one per direction; each side is encoded once and reused for both.
+A shard of pair ``a-b`` becomes ``<prefix>.a.{bin,idx}`` and ``<prefix>.b.{bin,idx}``: the
+SentencePiece pieces of each side of every kept line pair, aligned by position, without tag or
+eos. Both translation directions are built from them at batch time (``[<2tgt>] + source +
+[eos]``, ``target + [eos]``), so each side is stored and encoded once, not twice. The shard's
+statistics ``<prefix>.json`` are written last and mark it finished; a rerun skips it.
 """
 
+import json
 import os
 import warnings
-from collections.abc import Iterator
+from itertools import chain
 
 import numpy as np
-import torch
 
-from data.corpus import CorpusPair, read_pair
 from data.errors import DataError
-from data.spm import Tokenizer
+from data.shards import Shard, output_prefix, raw_rows
+from data.spm import load_tokenizer
+from data.validate import CODE, KEPT, count_reasons, final_path
+from data.workers import worker_state
 
-DROP_REASONS = ("empty", "too_long")
-# Lines encoded per SentencePiece call: large enough for its thread pool to pay off, small
-# enough that a big split never sits in memory whole.
-CHUNK_LINES = 20_000
+SIDES = ("a", "b")
 
 
 def _megatron_indexed():
@@ -46,92 +42,87 @@ def open_indexed(prefix: str):
     """Open ``<prefix>.{bin,idx}`` as a memory-mapped ``IndexedDataset``."""
     module = _megatron_indexed()
     if not module.IndexedDataset.exists(prefix):
-        raise DataError(f"missing {prefix}.bin/.idx; run data preparation first")
+        raise DataError(f"missing {prefix}.bin/.idx; run data preparation again")
     return module.IndexedDataset(prefix)
 
 
-def _chunks(pair: CorpusPair, split: str) -> Iterator[list[tuple[str, str]]]:
-    chunk: list[tuple[str, str]] = []
-    for both in read_pair(pair, split):
-        chunk.append(both)
-        if len(chunk) == CHUNK_LINES:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+def shard_done(out_dir: str, shard: Shard) -> bool:
+    return os.path.exists(output_prefix(out_dir, shard) + ".json")
 
 
-def binarize_split(
-    pairs: list[CorpusPair],
-    split: str,
-    tokenizer: Tokenizer,
-    out_prefix: str,
-    directions: list[str],
-    max_source_len: int,
-    max_target_len: int,
-) -> dict:
-    """Encode one split of every pair, both directions, into ``out_prefix.*``.
+def load_stats(out_dir: str, shard: Shard) -> dict:
+    with open(output_prefix(out_dir, shard) + ".json", encoding="utf-8") as handle:
+        return json.load(handle)
 
-    Empty lines and examples longer than the limits (counted in tokens with tag and eos) are
-    dropped and counted per direction. Files are written under temporary names and renamed once
-    complete. Returns ``{"counts": {direction: kept}, "dropped": {direction: {reason: n}}}``.
+
+def token_rules(
+    len_a: np.ndarray, len_b: np.ndarray, max_source_len: int, max_target_len: int, ratio: float
+) -> np.ndarray:
+    """Reason code per pair from the piece counts of its sides (0 = kept). Every pair trains in
+    both directions, so each side must fit as a source (tag + pieces + eos) and as a target
+    (pieces + eos)."""
+    longest = np.maximum(len_a, len_b)
+    shortest = np.minimum(len_a, len_b)
+    codes = np.zeros(len(len_a), dtype=np.uint8)
+    too_long = (longest + 2 > max_source_len) | (longest + 1 > max_target_len)
+    codes[(longest > ratio * shortest)] = CODE["length_ratio"]
+    codes[too_long] = CODE["too_long_tokens"]
+    codes[shortest == 0] = CODE["empty"]
+    return codes
+
+
+def binarize_shard(task: tuple[Shard, str, str, dict]) -> dict:
+    """Worker: encode the kept pairs of one shard and write its indexed datasets and statistics.
+
+    Memory is bounded by the shard size: text is read ``CHUNK_LINES`` at a time and the megatron
+    builders hold only the per-sequence lengths of this shard. Returns the statistics.
     """
+    shard, out_dir, work_dir, limits = task
+    tokenizer = worker_state().get("tokenizer") or load_tokenizer(limits["spm_model"])
     module = _megatron_indexed()
     dtype = token_dtype(tokenizer.vocab_size)
-    index = {name: i for i, name in enumerate(directions)}
-    counts = {name: 0 for name in directions}
-    dropped = {name: dict.fromkeys(DROP_REASONS, 0) for name in directions}
-    folder, base = os.path.split(os.path.abspath(out_prefix))
-    tmp_prefix = os.path.join(folder, f".tmp-{base}")
-    final = {
-        f"{tmp_prefix}.{side}.{ext}": f"{out_prefix}.{side}.{ext}"
-        for side in ("src", "tgt")
-        for ext in ("bin", "idx")
-    }
-    builders = {
-        side: module.IndexedDatasetBuilder(f"{tmp_prefix}.{side}.bin", dtype=dtype)
-        for side in ("src", "tgt")
-    }
-    dir_ids: list[int] = []
+    reasons = np.load(final_path(work_dir, shard))
+    prefix = output_prefix(out_dir, shard)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    tmp = {side: f"{prefix}.{side}.tmp-{os.getpid()}" for side in SIDES}
+    builders = {side: module.IndexedDatasetBuilder(tmp[side] + ".bin", dtype=dtype) for side in SIDES}
+    tokens = dict.fromkeys(SIDES, 0)
     try:
-        for pair in pairs:
-            a, b = pair.langs
-            forward, backward = f"{a}-{b}", f"{b}-{a}"
-            for chunk in _chunks(pair, split):
-                ids_a = tokenizer.encode_batch([left for left, _ in chunk])
-                ids_b = tokenizer.encode_batch([right for _, right in chunk])
-                for pieces_a, pieces_b in zip(ids_a, ids_b, strict=True):
-                    for name, source, target, tag in (
-                        (forward, pieces_a, pieces_b, tokenizer.tag_id(b)),
-                        (backward, pieces_b, pieces_a, tokenizer.tag_id(a)),
-                    ):
-                        # A side that encodes to nothing (empty, or only characters the
-                        # normaliser removes) has nothing to learn from.
-                        if not pieces_a or not pieces_b:
-                            dropped[name]["empty"] += 1
-                        elif len(source) + 2 > max_source_len or len(target) + 1 > max_target_len:
-                            dropped[name]["too_long"] += 1
-                        else:
-                            src = np.array([tag, *source, tokenizer.eos_id], dtype=dtype)
-                            tgt = np.array([*target, tokenizer.eos_id], dtype=dtype)
-                            builders["src"].add_item(torch.from_numpy(src))
-                            builders["tgt"].add_item(torch.from_numpy(tgt))
-                            dir_ids.append(index[name])
-                            counts[name] += 1
-        # The whole split is one megatron "document"; pairs are addressed by sequence index.
-        for side, builder in builders.items():
-            builder.end_document()
-            builder.finalize(f"{tmp_prefix}.{side}.idx")
-        with open(f"{tmp_prefix}.dir.npy", "wb") as handle:
-            np.save(handle, np.asarray(dir_ids, dtype=np.int16))
-        final[f"{tmp_prefix}.dir.npy"] = f"{out_prefix}.dir.npy"
-        for tmp, path in final.items():
-            os.replace(tmp, path)
+        line = 0
+        for _, rows in raw_rows(shard):
+            codes = reasons[line : line + len(rows)]
+            kept = np.flatnonzero(codes == KEPT)
+            texts_a = [rows[i][0].decode("utf-8").strip() for i in kept]
+            texts_b = [rows[i][1].decode("utf-8").strip() for i in kept]
+            ids = {"a": tokenizer.encode_batch(texts_a, threads=1),
+                   "b": tokenizer.encode_batch(texts_b, threads=1)}
+            lens = {side: np.fromiter(map(len, ids[side]), np.int64, len(kept)) for side in SIDES}
+            verdict = token_rules(lens["a"], lens["b"], limits["max_source_len"],
+                                  limits["max_target_len"], limits["max_length_ratio"])
+            codes[kept] = verdict  # writes through to `reasons`
+            good = np.flatnonzero(verdict == KEPT)
+            for side in SIDES:
+                pieces = [ids[side][i] for i in good]
+                count = int(lens[side][good].sum())
+                flat = np.fromiter(chain.from_iterable(pieces), dtype=dtype, count=count)
+                builders[side].add_document(flat, lens[side][good].tolist())
+                tokens[side] += count
+            line += len(rows)
+        for side in SIDES:
+            builders[side].finalize(tmp[side] + ".idx")
+        for side in SIDES:
+            for ext in ("bin", "idx"):
+                os.replace(f"{tmp[side]}.{ext}", f"{prefix}.{side}.{ext}")
+        stats = {"shard": shard.id, "lines": shard.lines, "reasons": count_reasons(reasons),
+                 "tokens": tokens}
+        with open(f"{prefix}.json.tmp-{os.getpid()}", "w", encoding="utf-8") as handle:
+            json.dump(stats, handle)
+        os.replace(f"{prefix}.json.tmp-{os.getpid()}", f"{prefix}.json")
     except BaseException:
-        for side in builders:
+        for side in SIDES:
             builders[side].data_file.close()
-        for tmp in [*final, f"{tmp_prefix}.dir.npy"]:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            for ext in ("bin", "idx"):
+                if os.path.exists(f"{tmp[side]}.{ext}"):
+                    os.remove(f"{tmp[side]}.{ext}")
         raise
-    return {"counts": counts, "dropped": dropped}
+    return stats

@@ -3,7 +3,11 @@
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from data.corpus import check_language
+from data.errors import DataError
+
 BUNDLED_DJANGO = "bundled:django"
+GETTEXT_PREFIX = "gettext:"
 
 
 @dataclass(kw_only=True)
@@ -12,9 +16,10 @@ class DataConfig:
 
     corpus: str = BUNDLED_DJANGO
     """``bundled:django`` builds an English-centric corpus from the gettext catalogs that the
-    installed Django ships (real translations, no download). Anything else is a path to an
-    OPUS-100-style folder: one sub-folder per pair holding line-aligned
-    ``opus.<src>-<tgt>-{train,dev,test}.{<src>,<tgt>}`` files."""
+    installed Django ships (real translations, no download); ``gettext:<folder>`` does the same
+    from any folder of ``.po``/``.mo`` catalogs. Anything else is a corpus folder holding
+    OPUS-100 files (``<a>-<b>/opus.<a>-<b>-{train,dev,test}.{<a>,<b>}`` or ``….tsv``) and/or
+    plain line-aligned file pairs (``{train,dev,test}.<a>-<b>.{<a>,<b>}`` or ``….tsv``)."""
 
     languages: list[str] = field(default_factory=lambda: ["de", "es", "fr", "ru", "it"])
     """Non-English languages, as Django locale codes (``pt_BR``, ``zh_Hans``). For the bundled
@@ -23,10 +28,10 @@ class DataConfig:
     language is ``<2code>``; English is ``<2en>``."""
 
     dev_size: int = 100
-    """Bundled corpus only: minimum number of dev pairs per language."""
+    """Gettext corpora only: minimum number of dev pairs per language."""
 
     test_size: int = 100
-    """Bundled corpus only: minimum number of test pairs per language."""
+    """Gettext corpora only: minimum number of test pairs per language."""
 
     vocab_size: int = 4000
     """Size of the joint SentencePiece vocabulary, including the special ids and language tags.
@@ -41,18 +46,39 @@ class DataConfig:
 
     spm_sample_sentences: int = 200_000
     """Size of the temperature-sampled subset of training text SentencePiece is trained on
-    (capped at the number of distinct training sentences)."""
+    (capped at the number of kept training lines over all languages). Paper-scale configs use
+    millions of lines for 64k (OPUS-100) or 128k (M2M-100) vocabularies."""
 
     spm_temperature: float = 5.0
     """Temperature over languages for that subset; 5 lifts small languages so that their
     characters and frequent words still get pieces."""
 
     max_source_len: int = 128
-    """Longest source in tokens, counting the language tag and </s>; longer pairs are dropped and
-    counted in the manifest."""
+    """Longest source in tokens, counting the language tag and </s>. Every pair trains in both
+    directions, so a pair is kept only if each side fits as source and as target; the others
+    are dropped and counted (``too_long_tokens`` in the validation report)."""
 
     max_target_len: int = 128
-    """Longest target in tokens, counting </s>; longer pairs are dropped and counted."""
+    """Longest target in tokens, counting </s>; see ``max_source_len``."""
+
+    max_chars: int = 2000
+    """Longest side in characters; longer pairs are dropped before SentencePiece sees them
+    (``too_long_chars``): such lines are concatenated documents or garbage, not sentences."""
+
+    max_length_ratio: float = 4.0
+    """Largest ratio of the longer side's pieces to the shorter side's; pairs beyond it are
+    dropped (``length_ratio``), as misaligned or partial translations. Counted in SentencePiece
+    pieces because characters are not comparable across scripts (one Chinese character carries
+    about as much as three or four Latin ones)."""
+
+    shard_size: int = 1_000_000
+    """Line pairs per shard. A shard is the unit of parallel work, of resumption and of storage;
+    a worker's memory grows with it (~20 bytes per pair in megatron's builder plus one chunk of
+    text) and never with the corpus."""
+
+    workers: int = 0
+    """Worker processes for validation and binarisation; 0 = one per core. The output does not
+    depend on it."""
 
     max_tokens: int = 2048
     """Token budget of one micro-batch: ``batch_size * max(padded src len, padded tgt len)``
@@ -87,9 +113,17 @@ class DataConfig:
             problems.append("data.dev_size and data.test_size must be at least 1")
         if "en" in self.languages:
             problems.append("data.languages lists the non-English languages; remove 'en'")
-        bad = [lang for lang in self.languages if not lang or "-" in lang or "/" in lang]
-        if bad:
-            problems.append(f"data.languages has invalid codes {bad} (use e.g. pt_BR, not pt-BR)")
+        for language in self.languages:
+            try:
+                check_language(language, "data.languages")
+            except DataError as error:
+                problems.append(str(error))
+        if self.max_chars < 1 or self.max_length_ratio < 1.0:
+            problems.append("data.max_chars must be >= 1 and data.max_length_ratio >= 1.0")
+        if self.shard_size < 1 or self.workers < 0:
+            problems.append("data.shard_size must be >= 1 and data.workers >= 0 (0 = all cores)")
+        if self.corpus.startswith("bundled:") and self.corpus != BUNDLED_DJANGO:
+            problems.append(f"data.corpus={self.corpus!r}: the bundled corpus is {BUNDLED_DJANGO!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -99,9 +133,9 @@ class DataConfig:
 
     def preparation_key(self) -> dict[str, Any]:
         """The fields that change the prepared files. Batching fields (``max_tokens``,
-        ``sampling_temperature``) are read at train time, so changing them must not redo the
-        preparation."""
+        ``sampling_temperature``) are read at train time and ``workers`` changes only the speed,
+        so changing them must not redo the preparation."""
         key = self.to_dict()
-        for name in ("max_tokens", "sampling_temperature"):
+        for name in ("max_tokens", "sampling_temperature", "workers"):
             key.pop(name)
         return key

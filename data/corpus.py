@@ -1,10 +1,15 @@
-"""Reading an OPUS-100-style corpus folder.
+"""Reading parallel text from the corpus layouts users have.
 
-Layout: one sub-folder per language pair, holding line-aligned files
-``opus.<a>-<b>-<split>.<a>`` and ``opus.<a>-<b>-<split>.<b>`` for split in train/dev/test, or
-instead one ``opus.<a>-<b>-<split>.tsv`` whose lines are ``<a text>\\t<b text>``. Language codes
-come from the file names (so they must not contain ``-``); a pair may lack a split (OPUS-100's
-zero-shot pairs only have test). Every pair is used in both directions, a→b and b→a.
+``data.corpus`` names a folder; every file below it (top level or one sub-folder deep) whose name
+follows one of these patterns is part of the corpus:
+
+- OPUS-100: ``opus.<a>-<b>-<split>.<a>`` and ``opus.<a>-<b>-<split>.<b>`` (line-aligned), or one
+  ``opus.<a>-<b>-<split>.tsv`` whose lines are ``<a text>\\t<b text>``; split is train/dev/test.
+- Plain file pairs (fairseq's raw naming): ``<split>.<a>-<b>.<a>`` and ``<split>.<a>-<b>.<b>``,
+  or ``<split>.<a>-<b>.tsv``; split is train, dev (or ``valid``) or test.
+
+Language codes come from the file names and are validated (:func:`check_language`). A pair may
+lack a split (OPUS-100's zero-shot pairs only have test). Every pair is used in both directions.
 """
 
 import os
@@ -12,20 +17,36 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from data.errors import DataError
 
 SPLITS = ("train", "dev", "test")
-_FILE = re.compile(r"^opus\.([^-./]+)-([^-./]+)-(train|dev|test)\.([^-./]+)$")
+_OPUS = re.compile(r"^opus\.([^-./]+)-([^-./]+)-(train|dev|test)\.([^-./]+)$")
+_PLAIN = re.compile(r"^(train|dev|valid|test)\.([^-./]+)-([^-./]+)\.([^-./]+)$")
+# ISO 639-1/639-3 code, then optional subtags for script or region: de, ast, pt_BR, zh_Hans,
+# sr_Latn, eng_Latn. Lower-case first part and "_" (never "-", which separates the pair).
+_CODE = re.compile(r"^[a-z]{2,3}(_[A-Za-z0-9]{2,8})*$")
+
+
+def check_language(code: str, where: str) -> str:
+    """``code`` if it is a valid language code, else a ``DataError`` that says where it came from."""
+    if not _CODE.match(code):
+        raise DataError(
+            f"{where}: {code!r} is not a language code; use an ISO 639 code with optional "
+            "'_Script' or '_REGION' subtags (de, ast, pt_BR, zh_Hans)"
+        )
+    return code
 
 
 @dataclass(frozen=True)
 class CorpusPair:
-    """One language pair folder of the corpus."""
+    """One language pair of the corpus."""
 
     name: str
-    """Folder name, e.g. ``en-de``."""
+    """``<a>-<b>``, in the order of the file names."""
     langs: tuple[str, str]
-    """The two language codes, in the order of the file names (``opus.en-de-*`` → en, de)."""
+    """The two language codes."""
     files: dict[str, tuple[str, ...]] = field(compare=False)
     """Per split: ``(file of langs[0], file of langs[1])`` or ``(tsv file,)``."""
 
@@ -35,55 +56,79 @@ class CorpusPair:
         return [f"{a}-{b}", f"{b}-{a}"]
 
 
-def _scan_pair(folder: str, name: str) -> CorpusPair | None:
-    found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
-    for filename in sorted(os.listdir(folder)):
-        match = _FILE.match(filename)
-        if match:
-            a, b, split, lang = match.groups()
-            found.setdefault((a, b), {}).setdefault(split, {})[lang] = os.path.join(
-                folder, filename
-            )
-    if not found:
-        return None
-    if len(found) > 1:
-        raise DataError(f"{folder} mixes the pairs {sorted(found)}; keep one pair per folder")
-    (a, b), by_split = next(iter(found.items()))
-    files: dict[str, tuple[str, ...]] = {}
-    for split, by_lang in by_split.items():
-        if set(by_lang) == {a, b}:
-            files[split] = (by_lang[a], by_lang[b])
-        elif set(by_lang) == {"tsv"}:
-            files[split] = (by_lang["tsv"],)
-        else:
-            expected = ", ".join(f"opus.{a}-{b}-{split}.{x}" for x in (a, b))
-            raise DataError(
-                f"{folder}: split {split!r} has files for {sorted(by_lang)}; expected {expected} "
-                f"(or opus.{a}-{b}-{split}.tsv)"
-            )
-    return CorpusPair(name=name, langs=(a, b), files=files)
+def _match(filename: str) -> tuple[str, str, str, str] | None:
+    """``(a, b, split, extension)`` of a corpus file name, None for other files."""
+    if match := _OPUS.match(filename):
+        a, b, split, ext = match.groups()
+        return a, b, split, ext
+    if match := _PLAIN.match(filename):
+        split, a, b, ext = match.groups()
+        return a, b, "dev" if split == "valid" else split, ext
+    if filename.startswith("opus."):  # a typo here would otherwise drop data silently
+        raise DataError(
+            f"{filename}: not an OPUS-100 file name; expected opus.<a>-<b>-<train|dev|test>.<lang>"
+        )
+    return None
+
+
+def _candidates(corpus_dir: str) -> Iterator[str]:
+    for name in sorted(os.listdir(corpus_dir)):
+        path = os.path.join(corpus_dir, name)
+        if name.startswith("."):
+            continue
+        if os.path.isdir(path):
+            for inner in sorted(os.listdir(path)):
+                if not inner.startswith(".") and os.path.isfile(os.path.join(path, inner)):
+                    yield os.path.join(path, inner)
+        elif os.path.isfile(path):
+            yield path
 
 
 def list_pairs(corpus_dir: str) -> list[CorpusPair]:
-    """Every pair folder of the corpus, sorted by name. Folders without ``opus.*`` files are
-    ignored (hidden ones too)."""
+    """Every pair of the corpus, sorted by name; malformed names and incomplete or doubly given
+    splits stop with an error naming the files."""
     if not os.path.isdir(corpus_dir):
         raise DataError(
-            f"corpus folder {corpus_dir!r} does not exist; set data.corpus to an OPUS-100-style "
-            "folder or to 'bundled:django'"
+            f"corpus folder {corpus_dir!r} does not exist; set data.corpus to a corpus folder, "
+            "'gettext:<folder of .po/.mo catalogs>' or 'bundled:django'"
+        )
+    found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
+    for path in _candidates(corpus_dir):
+        parsed = _match(os.path.basename(path))
+        if parsed is None:
+            continue
+        a, b, split, ext = parsed
+        for code in (a, b):
+            check_language(code, path)
+        if a == b:
+            raise DataError(f"{path}: a pair needs two different languages, got {a}-{a}")
+        if ext not in (a, b, "tsv"):
+            raise DataError(f"{path}: the extension must be {a}, {b} or tsv, not {ext!r}")
+        if (b, a) in found:
+            raise DataError(f"{path}: pair {a}-{b} is also given as {b}-{a}; keep one order")
+        by_ext = found.setdefault((a, b), {}).setdefault(split, {})
+        if ext in by_ext:
+            raise DataError(f"{path} and {by_ext[ext]} both give split {split} of {a}-{b}")
+        by_ext[ext] = path
+    if not found:
+        raise DataError(
+            f"no corpus files under {corpus_dir!r}: expected opus.<a>-<b>-<split>.<lang> "
+            "(OPUS-100) or <split>.<a>-<b>.<lang> / <split>.<a>-<b>.tsv files"
         )
     pairs = []
-    for name in sorted(os.listdir(corpus_dir)):
-        folder = os.path.join(corpus_dir, name)
-        if name.startswith(".") or not os.path.isdir(folder):
-            continue
-        pair = _scan_pair(folder, name)
-        if pair is not None:
-            pairs.append(pair)
-    if not pairs:
-        raise DataError(
-            f"no pair folders with opus.<src>-<tgt>-<split>.<lang> files under {corpus_dir!r}"
-        )
+    for (a, b), by_split in sorted(found.items()):
+        files: dict[str, tuple[str, ...]] = {}
+        for split, by_ext in sorted(by_split.items()):
+            if set(by_ext) == {a, b}:
+                files[split] = (by_ext[a], by_ext[b])
+            elif set(by_ext) == {"tsv"}:
+                files[split] = (by_ext["tsv"],)
+            else:
+                raise DataError(
+                    f"split {split} of {a}-{b} has {sorted(by_ext.values())}; give both "
+                    f"sides ({a} and {b} files) or one .tsv"
+                )
+        pairs.append(CorpusPair(name=f"{a}-{b}", langs=(a, b), files=files))
     return pairs
 
 
@@ -111,75 +156,85 @@ def corpus_languages(pairs: list[CorpusPair]) -> list[str]:
     return (["en"] if "en" in langs else []) + [lang for lang in langs if lang != "en"]
 
 
-def count_lines(path: str) -> int:
-    """Number of lines as the readers below see them (split on ``\\n`` only; a last line without
-    a newline still counts)."""
-    count = 0
-    last = b"\n"
+def line_offsets(path: str, every: int) -> tuple[int, list[int]]:
+    """``(number of lines, byte offset of lines 0, every, 2·every, …)`` of a file, lines split on
+    ``\\n`` only (a last line without a newline still counts). One vectorised pass over the
+    bytes, so indexing a corpus costs about as much as reading it."""
+    count, offsets, position = 0, [0], 0
     with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            count += chunk.count(b"\n")
-            last = chunk[-1:]
-    return count + (last != b"\n")
+        while block := handle.read(1 << 24):
+            ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)
+            # Line k·every starts right after newline number k·every - 1.
+            first = -(-count // every) * every
+            wanted = np.arange(max(first, every), count + len(ends) + 1, every) - 1 - count
+            wanted = wanted[(wanted >= 0) & (wanted < len(ends))]
+            offsets.extend((position + ends[wanted] + 1).tolist())
+            count += len(ends)
+            position += len(block)
+            last = block[-1:]
+    if position and last != b"\n":
+        count += 1
+    # A boundary at the very end of the file starts no line.
+    return count, [o for i, o in enumerate(offsets) if i * every < count or i == 0]
 
 
-def iter_lines(path: str) -> Iterator[tuple[int, str]]:
-    """``(line number, text)`` of a UTF-8 file, line terminator removed."""
-    # newline="\n": a stray "\r" inside a line must not split it, or the sides drift apart.
-    with open(path, encoding="utf-8", newline="\n") as handle:
-        try:
-            for number, line in enumerate(handle, start=1):
-                yield number, line.rstrip("\n").rstrip("\r")
-        except UnicodeDecodeError as error:
-            raise DataError(f"{path} is not valid UTF-8 ({error}); convert it first") from None
+def read_lines(path: str, offset: int, count: int) -> list[bytes]:
+    """``count`` raw lines starting at byte ``offset``, terminators (``\\n``, ``\\r\\n``) removed."""
+    lines = []
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        for _ in range(count):
+            line = handle.readline()
+            if not line:
+                break
+            lines.append(line.rstrip(b"\n").rstrip(b"\r"))
+    if len(lines) != count:
+        raise DataError(f"{path} changed while being read (expected {count} lines at {offset})")
+    return lines
+
+
+def split_tsv(path: str, number: int, line: bytes) -> tuple[bytes, bytes]:
+    """The two fields of a TSV line; anything else stops with the file and line number."""
+    parts = line.split(b"\t")
+    if len(parts) != 2:
+        raise DataError(
+            f"{path} line {number} has {len(parts) - 1} tabs; a .tsv line must be "
+            "'source<TAB>target' (fix or remove the line)"
+        )
+    return parts[0], parts[1]
+
+
+def count_pair_lines(pair: CorpusPair, split: str, every: int = 1 << 62) -> list[tuple[int, list]]:
+    """``[(lines, offsets)]`` per file of one split (see :func:`line_offsets`); two-file splits
+    whose line counts differ stop here, before any slow step, naming both files and counts."""
+    files = pair.files[split]
+    result = [line_offsets(path, every) for path in files]
+    if len(files) == 2 and result[0][0] != result[1][0]:
+        raise DataError(
+            f"line counts differ: {files[0]} has {result[0][0]} lines but {files[1]} has "
+            f"{result[1][0]}; the two sides of a pair must be line-aligned"
+        )
+    return result
 
 
 def read_pair(pair: CorpusPair, split: str) -> Iterator[tuple[str, str]]:
-    """Aligned ``(langs[0] line, langs[1] line)`` of one split, whitespace-stripped; nothing if
-    the pair has no such split. Unequal line counts raise ``DataError`` before anything is read."""
+    """Aligned ``(langs[0] line, langs[1] line)`` of one split, unfiltered and whitespace-stripped:
+    what an evaluator scores against. Nothing if the pair has no such split."""
     files = pair.files.get(split)
     if files is None:
         return
-    if len(files) == 1:
-        for number, line in iter_lines(files[0]):
-            parts = line.split("\t")
-            if len(parts) != 2:
-                raise DataError(
-                    f"{files[0]} line {number} has {len(parts) - 1} tabs; a .tsv line must be "
-                    "'source<TAB>target'"
-                )
-            yield parts[0].strip(), parts[1].strip()
-        return
-    counts = [count_lines(path) for path in files]
-    if counts[0] != counts[1]:
-        raise DataError(
-            f"line counts differ: {files[0]} has {counts[0]} lines but {files[1]} has "
-            f"{counts[1]}; the two sides of a pair must be line-aligned"
-        )
-    for (_, left), (_, right) in zip(iter_lines(files[0]), iter_lines(files[1]), strict=True):
-        yield left.strip(), right.strip()
-
-
-def validate_pairs(pairs: list[CorpusPair]) -> dict[str, dict[str, int]]:
-    """Line counts ``{pair: {split: lines}}``, checking every two-file split is aligned, so a
-    broken corpus fails before any slow step."""
-    counts: dict[str, dict[str, int]] = {}
-    for pair in pairs:
-        counts[pair.name] = {}
-        for split, files in sorted(pair.files.items()):
-            lines = [count_lines(path) for path in files]
-            if len(set(lines)) > 1:
-                raise DataError(
-                    f"line counts differ: {files[0]} has {lines[0]} lines but {files[1]} has "
-                    f"{lines[1]}; the two sides of a pair must be line-aligned"
-                )
-            counts[pair.name][split] = lines[0]
-    return counts
+    (lines, offsets), *_ = count_pair_lines(pair, split)
+    raw = [read_lines(path, 0, lines) for path in files]
+    rows = zip(*raw) if len(files) == 2 else (split_tsv(files[0], i + 1, x) for i, x in enumerate(raw[0]))
+    for number, (left, right) in enumerate(rows, start=1):
+        try:
+            yield left.decode("utf-8").strip(), right.decode("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise DataError(f"{files[0]} (or its other side) line {number}: {error}") from None
 
 
 def read_direction(pair: CorpusPair, split: str, direction: str) -> Iterator[tuple[str, str]]:
-    """Aligned ``(source, target)`` lines for ``direction`` ("de-en") of this pair, unfiltered:
-    what an evaluator scores against."""
+    """Aligned ``(source, target)`` lines for ``direction`` ("de-en") of this pair, unfiltered."""
     src, tgt = direction.split("-")
     if (src, tgt) == pair.langs:
         yield from read_pair(pair, split)

@@ -1,8 +1,10 @@
-"""A real English-centric parallel corpus built from the gettext catalogs Django ships.
+"""Importing gettext catalogs (.po/.mo) as an English-centric parallel corpus.
 
 Gettext catalogs are where OPUS's GNOME/KDE/Ubuntu sets come from: each translated entry is an
-English UI string and its human translation. Django (BSD-3) installs ~900 such entries per
-language for ~99 languages, so the trainer has real multilingual text without any download.
+English UI string (msgid) and its human translation. Django (BSD-3) installs ~900 such entries per
+language for ~99 languages, so the trainer has real multilingual text without any download
+(``data.corpus: bundled:django``); ``data.corpus: gettext:<folder>`` imports any other tree of
+catalogs the same way.
 """
 
 import glob
@@ -15,9 +17,12 @@ from collections import defaultdict
 import numpy as np
 import polib
 
+from data.corpus import check_language
 from data.errors import DataError
 
 SPLITS = ("train", "dev", "test")
+# GNU modifiers that name a script; the rest of a gettext locale name is already a valid code.
+_MODIFIERS = {"latin": "Latn", "cyrillic": "Cyrl"}
 
 
 def django_locale_root() -> str:
@@ -27,24 +32,49 @@ def django_locale_root() -> str:
     return os.path.dirname(django.__file__)
 
 
-def catalog_files(language: str) -> list[str]:
-    """Every ``.po`` file of one language: the core catalog and those of all contrib apps."""
-    root = django_locale_root()
-    patterns = [
-        os.path.join(root, "conf", "locale", language, "LC_MESSAGES", "*.po"),
-        os.path.join(root, "contrib", "*", "locale", language, "LC_MESSAGES", "*.po"),
-    ]
-    return sorted(path for pattern in patterns for path in glob.glob(pattern))
-
-
-def available_languages() -> list[str]:
-    """Locale codes for which the installed Django has a core catalog."""
-    root = os.path.join(django_locale_root(), "conf", "locale")
-    return sorted(
-        name
-        for name in os.listdir(root)
-        if glob.glob(os.path.join(root, name, "LC_MESSAGES", "*.po")) and name != "en"
+def _language_of(path: str) -> str:
+    """Locale of a catalog: the folder above ``LC_MESSAGES`` (``de/LC_MESSAGES/x.po``) or the file
+    name (``po/de.po``, GNOME style); ``sr@latin`` becomes ``sr_Latn``."""
+    parent = os.path.basename(os.path.dirname(path))
+    name = (
+        os.path.basename(os.path.dirname(os.path.dirname(path)))
+        if parent == "LC_MESSAGES"
+        else os.path.splitext(os.path.basename(path))[0]
     )
+    base, _, modifier = name.partition("@")
+    if modifier:
+        if modifier not in _MODIFIERS:
+            raise DataError(f"{path}: unsupported locale modifier @{modifier}; rename the catalog")
+        base = f"{base}_{_MODIFIERS[modifier]}"
+    return check_language(base, path)
+
+
+def find_catalogs(root: str) -> dict[str, list[str]]:
+    """Catalog files per language under ``root`` (any depth). A ``.mo`` is skipped when its
+    ``.po`` source sits beside it; English catalogs (``en``) translate nothing and are skipped."""
+    if not os.path.isdir(root):
+        raise DataError(f"gettext folder {root!r} does not exist")
+    found: dict[str, list[str]] = defaultdict(list)
+    paths = sorted(glob.glob(os.path.join(root, "**", "*.po"), recursive=True))
+    paths += sorted(
+        path
+        for path in glob.glob(os.path.join(root, "**", "*.mo"), recursive=True)
+        if not os.path.exists(path[:-3] + ".po")
+    )
+    for path in paths:
+        language = _language_of(path)
+        if language != "en":
+            found[language].append(path)
+    if not found:
+        raise DataError(f"no .po or .mo catalogs under {root!r}")
+    return {language: sorted(files) for language, files in sorted(found.items())}
+
+
+def _open_catalog(path: str):
+    try:
+        return polib.mofile(path) if path.endswith(".mo") else polib.pofile(path)
+    except (OSError, ValueError) as error:
+        raise DataError(f"{path}: not a readable gettext catalog ({error})") from None
 
 
 def normalise(text: str) -> str:
@@ -52,22 +82,17 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def catalog_pairs(language: str) -> list[tuple[str, str]]:
-    """(English, translation) pairs of one language, in catalog order, exact duplicates removed.
+def catalog_pairs(files: list[str]) -> list[tuple[str, str]]:
+    """(English, translation) pairs of one language's catalogs, in catalog order, exact
+    duplicates removed.
 
     Fuzzy, obsolete and untranslated entries are skipped: their translation is missing or known to
     be stale. A plural entry gives two pairs, msgid→msgstr[0] and msgid_plural→msgstr[1]; for
     languages with a single plural form (ja, zh_Hans) msgstr[0] serves both.
     """
-    files = catalog_files(language)
-    if not files:
-        raise DataError(
-            f"Django has no catalogs for language {language!r}; pick data.languages from: "
-            + ", ".join(available_languages())
-        )
     pairs: dict[tuple[str, str], None] = {}  # insertion-ordered set
     for path in files:
-        for entry in polib.pofile(path):
+        for entry in _open_catalog(path):
             if entry.obsolete or entry.fuzzy or not entry.translated():
                 continue
             if entry.msgid_plural:
@@ -128,20 +153,43 @@ def _write_lines(path: str, lines: list[str]) -> None:
             handle.write(line + "\n")
 
 
-def build_django_corpus(
-    out_dir: str, languages: list[str], dev_size: int, test_size: int, seed: int
+def build_gettext_corpus(
+    out_dir: str,
+    root: str,
+    languages: list[str],
+    dev_size: int,
+    test_size: int,
+    seed: int,
+    source: str,
 ) -> dict:
-    """Write an OPUS-100-style corpus ``out_dir/en-<xx>/opus.en-<xx>-{split}.{en,<xx>}``.
+    """Write an OPUS-100-style corpus ``out_dir/en-<xx>/opus.en-<xx>-{split}.{en,<xx>}`` from the
+    catalogs under ``root``.
 
-    Returns ``{"languages", "pairs": {"en-xx": {split: count}}, "source"}``, which is also saved
-    as ``out_dir/corpus.json``. The corpus is written to a temporary sibling folder and renamed
-    into place, so an interrupted build never leaves a half corpus under ``out_dir``.
+    ``languages`` selects catalogs; an empty list takes every language with at least
+    ``2·(dev_size + test_size)`` pairs (the others are listed under ``"skipped"``). Returns
+    ``{"languages", "pairs": {"en-xx": {split: count}}, "source", "skipped"}``, also saved as
+    ``out_dir/corpus.json``. The corpus is written to a temporary sibling folder and renamed into
+    place, so an interrupted build never leaves a half corpus under ``out_dir``.
     """
-    if not languages:
-        raise DataError("data.languages is empty: the bundled corpus needs at least one language")
-    import django
-
-    pairs_by_language = {lang: catalog_pairs(lang) for lang in languages}
+    catalogs = find_catalogs(root)
+    skipped: dict[str, int] = {}
+    if languages:
+        missing = [language for language in languages if language not in catalogs]
+        if missing:
+            raise DataError(
+                f"no catalogs for {missing} under {root}; available: {', '.join(catalogs)}"
+            )
+        pairs_by_language = {language: catalog_pairs(catalogs[language]) for language in languages}
+    else:
+        pairs_by_language = {}
+        for language, files in catalogs.items():
+            pairs = catalog_pairs(files)
+            if len(pairs) >= 2 * (dev_size + test_size):
+                pairs_by_language[language] = pairs
+            else:
+                skipped[language] = len(pairs)
+        if not pairs_by_language:
+            raise DataError(f"no language under {root} has {2 * (dev_size + test_size)} pairs")
     splits = split_by_english(pairs_by_language, dev_size, test_size, seed)
 
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -149,13 +197,14 @@ def build_django_corpus(
     staging = tempfile.mkdtemp(prefix=".corpus-tmp-", dir=parent)
     os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide the corpus from other users
     summary: dict = {
-        "languages": list(languages),
+        "languages": list(pairs_by_language),
         "pairs": {},
-        "source": f"Django {django.__version__} gettext catalogs (BSD-3-Clause)",
+        "source": source,
         "seed": seed,
+        "skipped": skipped,
     }
     try:
-        for language in languages:
+        for language in pairs_by_language:
             name = f"en-{language}"
             os.makedirs(os.path.join(staging, name))
             summary["pairs"][name] = {}
@@ -172,6 +221,20 @@ def build_django_corpus(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return summary
+
+
+def build_django_corpus(
+    out_dir: str, languages: list[str], dev_size: int, test_size: int, seed: int
+) -> dict:
+    """The bundled corpus: :func:`build_gettext_corpus` over the catalogs of the installed Django."""
+    import django
+
+    if not languages:
+        raise DataError("data.languages is empty: the bundled corpus needs at least one language")
+    source = f"Django {django.__version__} gettext catalogs (BSD-3-Clause)"
+    return build_gettext_corpus(
+        out_dir, django_locale_root(), languages, dev_size, test_size, seed, source
+    )
 
 
 def _replace_dir(new: str, target: str) -> None:

@@ -2,46 +2,52 @@
 
 ``out_dir`` after :func:`prepare_data`::
 
-    corpus/                    bundled corpus only (OPUS-100 layout, see gettext_corpus.py)
-    spm.model, spm.vocab       joint SentencePiece model with <2xx> tags
-    {train,dev,test}.src.{bin,idx}, .tgt.{bin,idx}, .dir.npy
-    manifest.json              written last: its presence means everything above is complete
+    corpus/                       gettext corpora only (OPUS-100 layout, see gettext_corpus.py)
+    spm.model, spm.vocab          joint SentencePiece model with <2xx> tags
+    shards/<split>/<pair>.<k>.{a,b}.{bin,idx}   megatron-core indexed datasets, one per side
+    shards/<split>/<pair>.<k>.json              the shard's counts (written last: shard done)
+    <split>.shards.json           the split's pairs, tag ids and shards (PairDataset reads it)
+    validation_report.{json,tsv}  kept and dropped line pairs per pair, split and reason
+    manifest.json                 written last: its presence means everything above is complete
 
-The manifest records the preparation config and a fingerprint of the corpus; a later call with
-the same config and corpus returns it without redoing anything, so repeated training launches
-cost nothing here. Concurrent callers (several ranks) are serialised by a lock file; the second
-one finds the manifest and returns.
+Steps: index the input (line counts, shard boundaries), validate every shard in worker
+processes, deduplicate per pair and split, train SentencePiece on a temperature-sampled subset,
+binarise every shard in worker processes, write the indexes, report and manifest. Intermediate
+results live in ``out_dir/.work`` until the end, so an interrupted preparation resumes where it
+stopped (finished shards are not redone) and produces byte-identical shards. A later call with
+the same config and corpus returns the manifest without redoing anything.
 """
 
 import fcntl
+import glob
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from itertools import groupby
 
-from data.binarize import binarize_split, token_dtype
-from data.config import BUNDLED_DJANGO, DataConfig
-from data.corpus import (
-    SPLITS,
-    corpus_languages,
-    list_pairs,
-    select_pairs,
-    validate_pairs,
-)
+from data.binarize import binarize_shard, load_stats, shard_done, token_dtype
+from data.config import BUNDLED_DJANGO, GETTEXT_PREFIX, DataConfig
+from data.corpus import SPLITS, corpus_languages, list_pairs, select_pairs
 from data.errors import DataError
-from data.gettext_corpus import build_django_corpus
-from data.spm import load_tokenizer, train_spm
+from data.gettext_corpus import build_django_corpus, build_gettext_corpus, find_catalogs
+from data.shards import output_prefix, plan_shards, shard_from_dict
+from data.spm import load_tokenizer, train_spm, write_sample
+from data.validate import build_report, check_done, check_shard, deduplicate, write_report
+from data.workers import run_tasks, worker_count
 
 MANIFEST = "manifest.json"
 SPM_MODEL = "spm.model"
+WORK = ".work"
 # Bump when the files written here change meaning, so old preparations are redone.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def split_prefix(out_dir: str, split: str) -> str:
-    """Prefix of one binarised split, as :class:`data.batching.PairDataset` expects it."""
+    """Prefix of one binarised split, as :class:`data.dataset.PairDataset` expects it."""
     return os.path.join(out_dir, split)
 
 
@@ -72,21 +78,31 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _write_json(path: str, value) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(value, handle, indent=1, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
 def _corpus_fingerprint(cfg: DataConfig) -> str:
-    """What identifies the input text. A folder corpus is identified by its files' names, sizes
-    and modification times (hashing gigabytes on every launch would be too slow); the bundled
-    corpus by the Django version whose catalogs it is built from."""
+    """What identifies the input text: the names, sizes and modification times of its files
+    (hashing terabytes on every launch would be too slow); for the bundled corpus the version of
+    Django whose catalogs it is built from."""
     if cfg.corpus == BUNDLED_DJANGO:
         import django
 
         return f"django-{django.__version__}"
+    if cfg.corpus.startswith(GETTEXT_PREFIX):
+        root = cfg.corpus[len(GETTEXT_PREFIX):]
+        paths = [p for files in find_catalogs(root).values() for p in files]
+    else:
+        root = cfg.corpus
+        paths = [p for pair in list_pairs(root) for files in pair.files.values() for p in files]
     digest = hashlib.sha256()
-    for pair in list_pairs(cfg.corpus):
-        for split in sorted(pair.files):
-            for path in pair.files[split]:
-                stat = os.stat(path)
-                digest.update(f"{os.path.relpath(path, cfg.corpus)}:{stat.st_size}:".encode())
-                digest.update(f"{stat.st_mtime_ns}\n".encode())
+    for path in sorted(paths):
+        stat = os.stat(path)
+        digest.update(f"{os.path.relpath(path, root)}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()
 
 
@@ -101,31 +117,43 @@ def _is_current(out_dir: str, key: dict, fingerprint: str) -> dict | None:
         or manifest.get("corpus_fingerprint") != fingerprint
     ):
         return None
-    needed = [spm_model_path(out_dir)] + [
-        split_prefix(out_dir, split) + suffix
-        for split in manifest["splits"]
-        for suffix in (".src.bin", ".src.idx", ".tgt.bin", ".tgt.idx", ".dir.npy")
+    needed = [spm_model_path(out_dir)] + [split_prefix(out_dir, s) + ".shards.json" for s in SPLITS]
+    needed += [
+        os.path.join(out_dir, "shards", f"{shard}.{side}.{ext}")
+        for shards in manifest["shards"].values()
+        for shard in shards
+        for side in ("a", "b")
+        for ext in ("bin", "idx")
     ]
     return manifest if all(os.path.exists(p) for p in needed) else None
 
 
 @contextmanager
 def _locked(out_dir: str):
-    # Append mode: taking the lock must not touch the file (or anything else in out_dir).
+    # POSIX record locks belong to the process, unlike flock locks, which forked workers would
+    # inherit: a killed preparation's orphaned workers could then block every rerun.
     with open(os.path.join(out_dir, ".prepare.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        fcntl.lockf(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.lockf(handle, fcntl.LOCK_UN)
 
 
-def prepare_data(cfg: DataConfig, out_dir: str, log: Callable[[str], None] = print) -> dict:
-    """Build (if needed) the corpus, the SentencePiece model and the binarised splits under
+def prepare_data(
+    cfg: DataConfig,
+    out_dir: str,
+    log: Callable[[str], None] = print,
+    progress: bool | None = None,
+) -> dict:
+    """Build (if needed) the corpus, the SentencePiece model and the binarised shards under
     ``out_dir``; write and return the manifest. Returns the existing manifest untouched when it
-    was made from the same config and corpus."""
+    was made from the same config and corpus. ``progress``: show progress bars (default: when
+    stderr is a terminal)."""
     os.makedirs(out_dir, exist_ok=True)
     key = cfg.preparation_key()
+    if progress is None:
+        progress = os.isatty(2)
     with _locked(out_dir):
         fingerprint = _corpus_fingerprint(cfg)
         manifest = _is_current(out_dir, key, fingerprint)
@@ -135,59 +163,128 @@ def prepare_data(cfg: DataConfig, out_dir: str, log: Callable[[str], None] = pri
         old = os.path.join(out_dir, MANIFEST)
         if os.path.exists(old):
             os.remove(old)  # from here on the folder is incomplete until the new one is written
-        return _prepare(cfg, out_dir, key, fingerprint, log)
+        return _prepare(cfg, out_dir, key, fingerprint, log, progress)
 
 
-def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log) -> dict:
+def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
+    """The work folder of this config and corpus. Work left by an interrupted run with the same
+    state is kept (that is the resumption); anything prepared from another state is removed."""
+    work = os.path.join(out_dir, WORK)
+    state = {"format": FORMAT_VERSION, "config_key": key, "corpus_fingerprint": fingerprint}
+    path = os.path.join(work, "state.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            if json.load(handle) == state:
+                log("data: resuming an interrupted preparation")
+                for tmp in glob.glob(os.path.join(out_dir, "shards", "*", "*.tmp-*")):
+                    os.remove(tmp)  # left by killed workers; their shards are redone
+                return work
+    stale = [work, os.path.join(out_dir, "shards"), os.path.join(out_dir, "corpus")]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    for name in os.listdir(out_dir):
+        # Earlier outputs, also those of the single-file layout (train.src.bin, train.dir.npy).
+        if name.startswith(tuple(SPLITS)) or name.startswith(("spm.", "validation_report.")):
+            os.remove(os.path.join(out_dir, name))
+    os.makedirs(work)
+    _write_json(path, state)
+    return work
+
+
+def _corpus_dir(cfg: DataConfig, out_dir: str, log) -> str:
+    if cfg.corpus != BUNDLED_DJANGO and not cfg.corpus.startswith(GETTEXT_PREFIX):
+        return os.path.abspath(cfg.corpus)
+    corpus_dir = os.path.join(out_dir, "corpus")
+    if not os.path.exists(os.path.join(corpus_dir, "corpus.json")):
+        if cfg.corpus == BUNDLED_DJANGO:
+            log(f"data: building the bundled corpus from Django's catalogs ({', '.join(cfg.languages)})")
+            build_django_corpus(corpus_dir, cfg.languages, cfg.dev_size, cfg.test_size, cfg.seed)
+        else:
+            root = cfg.corpus[len(GETTEXT_PREFIX):]
+            log(f"data: importing the gettext catalogs under {root}")
+            summary = build_gettext_corpus(corpus_dir, root, cfg.languages, cfg.dev_size,
+                                           cfg.test_size, cfg.seed, f"gettext catalogs under {root}")
+            if summary["skipped"]:
+                log(f"data: skipped languages with too few pairs: {summary['skipped']}")
+    return corpus_dir
+
+
+def _rate(count: int, seconds: float) -> str:
+    return f"{count:,} line pairs in {seconds:.1f} s ({count / max(seconds, 1e-9):,.0f}/s)"
+
+
+def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, progress) -> dict:
     start = time.perf_counter()
-    if cfg.corpus == BUNDLED_DJANGO:
-        corpus_dir = os.path.join(out_dir, "corpus")
-        names = ", ".join(cfg.languages)
-        log(f"data: building the bundled corpus from Django's catalogs ({names})")
-        build_django_corpus(corpus_dir, cfg.languages, cfg.dev_size, cfg.test_size, cfg.seed)
-    else:
-        corpus_dir = os.path.abspath(cfg.corpus)
+    work = _start_work(out_dir, key, fingerprint, log)
+    corpus_dir = _corpus_dir(cfg, out_dir, log)
     available = list_pairs(corpus_dir)
     pairs = select_pairs(available, cfg.languages)
-    lines = validate_pairs(pairs)
     languages = corpus_languages(pairs)
     directions = [direction for pair in pairs for direction in pair.directions()]
-    totals = {split: sum(c.get(split, 0) for c in lines.values()) for split in SPLITS}
-    log(
-        f"data: {len(pairs)} of {len(available)} pairs, {len(directions)} directions, "
-        + ", ".join(f"{split} {totals[split]} lines" for split in SPLITS)
-    )
+    plan_path = os.path.join(work, "plan.json")
+    if os.path.exists(plan_path):
+        with open(plan_path, encoding="utf-8") as handle:
+            shards = [shard_from_dict(values) for values in json.load(handle)]
+    else:
+        shards = plan_shards(pairs, cfg.shard_size, SPLITS)
+        _write_json(plan_path, [shard.to_dict() for shard in shards])
+    workers = worker_count(cfg.workers)
+    lines = {pair.name: {} for pair in pairs}
+    for shard in shards:
+        lines[shard.name][shard.split] = lines[shard.name].get(shard.split, 0) + shard.lines
+    total = sum(shard.lines for shard in shards)
+    log(f"data: {len(pairs)} of {len(available)} pairs, {len(directions)} directions, "
+        f"{total:,} line pairs in {len(shards)} shards, {workers} workers")
+
+    clock = time.perf_counter()
+    todo = [(s, work, cfg.max_chars) for s in shards if not check_done(work, s)]
+    for _ in run_tasks(check_shard, todo, workers, "validate", lambda t: t[0].lines, progress=progress):
+        pass
+    for _, group in groupby(shards, key=lambda s: (s.split, s.pair)):
+        deduplicate(list(group), work)
+    log(f"data: validated {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}")
 
     model_path = spm_model_path(out_dir)
-    log(f"data: training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size})")
-    train_spm(
-        pairs,
-        model_path,
-        languages,
-        vocab_size=cfg.vocab_size,
-        model_type=cfg.spm_model_type,
-        character_coverage=cfg.character_coverage,
-        sample_sentences=cfg.spm_sample_sentences,
-        temperature=cfg.spm_temperature,
-        seed=cfg.seed,
-    )
+    sample_info = os.path.join(work, "spm.json")
+    if not os.path.exists(sample_info):
+        clock = time.perf_counter()
+        sample = os.path.join(work, "spm-sample.txt")
+        taken = write_sample([s for s in shards if s.split == "train"], [p.langs for p in pairs],
+                             work, sample, cfg.spm_sample_sentences, cfg.spm_temperature, cfg.seed,
+                             workers, progress)
+        log(f"data: training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
+            f"{sum(taken.values()):,} sampled lines")
+        train_spm(sample, model_path, languages, cfg.vocab_size, cfg.spm_model_type,
+                  cfg.character_coverage)
+        _write_json(sample_info, {"sample": taken, "seconds": time.perf_counter() - clock})
+    with open(sample_info, encoding="utf-8") as handle:
+        taken = json.load(handle)["sample"]
     tokenizer = load_tokenizer(model_path)
+    dtype = token_dtype(tokenizer.vocab_size)  # imports megatron-core here, once, before forking
 
-    counts, dropped = {}, {}
+    clock = time.perf_counter()
+    limits = {"spm_model": model_path, "max_source_len": cfg.max_source_len,
+              "max_target_len": cfg.max_target_len, "max_length_ratio": cfg.max_length_ratio}
+    todo = [(s, out_dir, work, limits) for s in shards if not shard_done(out_dir, s)]
+    for _ in run_tasks(binarize_shard, todo, workers, "binarise", lambda t: t[0].lines,
+                       setup=lambda: {"tokenizer": load_tokenizer(model_path)}, progress=progress):
+        pass
+    log(f"data: binarised {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}")
+
+    stats = {shard.id: load_stats(out_dir, shard) for shard in shards}
+    report = build_report([pair.name for pair in pairs], shards, stats)
+    for line in write_report(report, out_dir):
+        log(line)
+    tags = [[tokenizer.tag_id(lang) for lang in pair.langs] for pair in pairs]
+    manifest_shards = {}
     for split in SPLITS:
-        result = binarize_split(
-            pairs,
-            split,
-            tokenizer,
-            split_prefix(out_dir, split),
-            directions,
-            cfg.max_source_len,
-            cfg.max_target_len,
-        )
-        counts[split], dropped[split] = result["counts"], result["dropped"]
-        lost = sum(n for reasons in result["dropped"].values() for n in reasons.values())
-        log(f"data: {split}: {sum(result['counts'].values())} examples ({lost} dropped)")
-
+        index = _split_index(pairs, tags, directions, shards, stats, split, out_dir)
+        _write_json(split_prefix(out_dir, split) + ".shards.json", index)
+        manifest_shards[split] = [s["path"][len("shards/"):] for p in index["pairs"] for s in p["shards"]]
+    counts = {split: dict.fromkeys(directions, 0) for split in SPLITS}
+    for shard in shards:
+        for direction in pairs[shard.pair].directions():
+            counts[shard.split][direction] += stats[shard.id]["reasons"]["kept"]
     manifest = {
         "format": FORMAT_VERSION,
         "languages": languages,
@@ -195,33 +292,50 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log) ->
         "pairs": lines,
         "splits": list(SPLITS),
         "counts": counts,
-        "dropped": dropped,
+        "dropped": {split: {name: {r: n for r, n in entry[split].items() if r not in ("lines", "kept")}
+                            for name, entry in report["pairs"].items() if split in entry}
+                    for split in SPLITS},
+        "tokens": {split: sum(sum(stats[s.id]["tokens"].values()) for s in shards if s.split == split)
+                   for split in SPLITS},
         "vocab_size": tokenizer.vocab_size,
         "special_ids": {"pad": 0, "unk": 1, "bos": 2, "eos": 3},
         "tags": {language: tokenizer.tag_id(language) for language in languages},
-        "token_dtype": token_dtype(tokenizer.vocab_size).__name__,
+        "token_dtype": dtype.__name__,
         "spm_model": SPM_MODEL,
         "spm_sha256": _sha256(model_path),
+        "spm_sample": taken,
+        "shards": manifest_shards,
+        "shard_size": cfg.shard_size,
         # The raw text stays where it is: evaluation reads references from it, undropped.
         "corpus_dir": os.path.relpath(corpus_dir, out_dir)
-        if cfg.corpus == BUNDLED_DJANGO
+        if corpus_dir.startswith(os.path.abspath(out_dir))
         else corpus_dir,
         "corpus_fingerprint": fingerprint,
         "config": cfg.to_dict(),
         "config_key": key,
         "seconds": round(time.perf_counter() - start, 2),
     }
-    tmp = os.path.join(out_dir, f".{MANIFEST}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(manifest, handle, indent=2, ensure_ascii=False)
-    os.replace(tmp, os.path.join(out_dir, MANIFEST))
+    _write_json(os.path.join(out_dir, MANIFEST), manifest)
+    shutil.rmtree(work, ignore_errors=True)
     log(f"data: prepared {out_dir} in {manifest['seconds']:.1f} s ({_summary(manifest)})")
     return manifest
+
+
+def _split_index(pairs, tags, directions, shards, stats, split, out_dir) -> dict:
+    """What :class:`data.dataset.PairDataset` reads: per pair its tags and non-empty shards."""
+    entries = [{"name": pair.name, "langs": list(pair.langs), "tags": tags[k], "shards": []}
+               for k, pair in enumerate(pairs)]
+    for shard in shards:
+        kept = stats[shard.id]["reasons"]["kept"]
+        if shard.split == split and kept:  # megatron cannot map an empty .bin
+            path = os.path.relpath(output_prefix(out_dir, shard), out_dir)
+            entries[shard.pair]["shards"].append({"path": path, "pairs": kept})
+    return {"split": split, "directions": directions, "pairs": entries}
 
 
 def _summary(manifest: dict) -> str:
     train = sum(manifest["counts"]["train"].values())
     return (
-        f"{len(manifest['directions'])} directions, {train} training examples, "
+        f"{len(manifest['directions'])} directions, {train:,} training examples, "
         f"vocab {manifest['vocab_size']}"
     )

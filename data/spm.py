@@ -14,9 +14,11 @@ from collections.abc import Iterable
 import numpy as np
 import sentencepiece as spm
 
-from data.corpus import CorpusPair, count_lines, iter_lines, read_pair
 from data.errors import DataError
-from data.sampling import multiplicities, temperature_counts
+from data.sampling import draws, temperature_counts
+from data.shards import Shard, raw_rows
+from data.validate import KEPT, final_path
+from data.workers import ordered, run_tasks
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _TAG = re.compile(r"^<2[^<>\s]+>$")
@@ -27,84 +29,95 @@ def language_tag(language: str) -> str:
     return f"<2{language}>"
 
 
-def _side_lines(pair: CorpusPair, split: str, language: str) -> Iterable[str]:
-    """Lines of one language of a pair; reading only that file keeps the sampling pass cheap."""
-    files = pair.files[split]
-    if len(files) == 2:
-        for _, line in iter_lines(files[pair.langs.index(language)]):
-            yield line.strip()
-    else:
-        side = pair.langs.index(language)
-        for both in read_pair(pair, split):
-            yield both[side]
+def _sample_shard(task: tuple[Shard, str, dict[int, tuple[np.ndarray, np.ndarray]]]) -> list[str]:
+    """Worker: the picked lines of one shard, each repeated as often as it was drawn.
+    ``picks[side] = (ranks among the shard's kept lines, times drawn)``, ranks sorted."""
+    shard, work_dir, picks = task
+    kept = np.flatnonzero(np.load(final_path(work_dir, shard)) == KEPT)
+    wanted = {side: dict(zip(kept[ranks].tolist(), counts.tolist(), strict=True))
+              for side, (ranks, counts) in picks.items()}
+    out: list[str] = []
+    line = 0
+    for _, rows in raw_rows(shard):
+        for row in rows:
+            for side, lines in wanted.items():
+                if line in lines:
+                    out.extend([row[side].decode("utf-8").strip()] * lines[line])
+            line += 1
+    return out
 
 
 def write_sample(
-    pairs: list[CorpusPair], path: str, total: int, temperature: float, seed: int
+    shards: list[Shard],
+    pair_langs: list[tuple[str, str]],
+    work_dir: str,
+    path: str,
+    total: int,
+    temperature: float,
+    seed: int,
+    workers: int = 1,
+    progress: bool = False,
 ) -> dict[str, int]:
-    """Write a temperature-sampled subset of the train text of every language to ``path``.
+    """Write a temperature-sampled subset of the kept train text of every language to ``path``.
 
-    Each language's text is the concatenation of its side of every pair (English appears in all
-    English-centric pairs). The subset holds ``min(total, all lines)`` lines; language ``l`` gets
-    ``round(size * p_l)`` of them, without replacement while it has enough lines and by repeating
-    its lines when it is up-sampled. Only the chosen line numbers are kept in memory, so this
-    works on corpora far larger than the subset. Returns the number of lines taken per language.
+    A language's text is its side of every pair it is in (English appears in all English-centric
+    pairs). The subset holds ``min(total, all kept lines)`` lines; language ``l`` gets
+    ``round(size * p_l)`` of them, drawn from a seeded permutation of its lines (without
+    replacement unless it is up-sampled; see :func:`data.sampling.draws`). Memory grows with the
+    subset, never with the corpus. Returns the number of lines taken per language.
     """
-    sources: dict[str, list[tuple[CorpusPair, int]]] = {}
-    for pair in pairs:
-        if "train" not in pair.files:
-            continue
-        lines = count_lines(pair.files["train"][0])
-        for language in pair.langs:
-            sources.setdefault(language, []).append((pair, lines))
-    if not sources:
-        raise DataError("no pair has a train split; SentencePiece needs training text")
+    sources: dict[str, list[tuple[int, int, int]]] = {}  # language → [(shard, side, kept)]
+    for k, shard in enumerate(shards):
+        kept = int((np.load(final_path(work_dir, shard)) == KEPT).sum())
+        for side, language in enumerate(pair_langs[shard.pair]):
+            sources.setdefault(language, []).append((k, side, kept))
     languages = sorted(sources)
-    sizes = np.array([sum(n for _, n in sources[lang]) for lang in languages])
-    size = int(min(total, sizes.sum()))
-    wants = temperature_counts(sizes, temperature, size)
-    rng = np.random.default_rng([seed, 7])  # 7: a stream of its own, apart from the batch order
+    sizes = np.array([sum(n for _, _, n in sources[lang]) for lang in languages])
+    if not sizes.sum():
+        raise DataError("no kept training line: SentencePiece needs training text")
+    wants = temperature_counts(sizes, temperature, int(min(total, sizes.sum())))
+    picks: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     taken = {}
+    for index, (language, n, want) in enumerate(zip(languages, sizes, wants, strict=True)):
+        if n == 0:
+            continue
+        taken[language] = int(want)
+        # (seed, 7, language): streams of their own, apart from the batch order's.
+        ranks = np.sort(draws(int(n), 0, int(want), (seed, 7, index)))
+        starts = np.cumsum([0] + [kept for _, _, kept in sources[language]])
+        owner = np.searchsorted(starts, ranks, side="right") - 1
+        for j in np.unique(owner):
+            k, side, _ = sources[language][j]
+            local, counts = np.unique(ranks[owner == j] - starts[j], return_counts=True)
+            picks.setdefault(k, {})[side] = (local, counts)
+    tasks = [(shards[k], work_dir, picks[k]) for k in sorted(picks)]
+    results = run_tasks(_sample_shard, tasks, workers, "spm sample",
+                        weight=lambda task: task[0].lines, progress=progress)
     with open(path, "w", encoding="utf-8", newline="\n") as out:
-        for language, n, want in zip(languages, sizes, wants, strict=True):
-            if n == 0:
-                continue
-            repeats = multiplicities(int(n), int(want), rng)
-            taken[language] = int(want)
-            offset = 0
-            for pair, lines in sources[language]:
-                counts = repeats[offset : offset + lines]
-                offset += lines
-                for line, count in zip(_side_lines(pair, "train", language), counts, strict=True):
-                    if count and line:
-                        out.write((line + "\n") * int(count))
+        for lines in ordered(results, tasks):
+            out.writelines(line + "\n" for line in lines)
     return taken
 
 
 def train_spm(
-    pairs: list[CorpusPair],
+    sample_path: str,
     model_path: str,
     languages: list[str],
     vocab_size: int,
     model_type: str = "bpe",
     character_coverage: float = 1.0,
-    sample_sentences: int = 200_000,
-    temperature: float = 5.0,
-    seed: int = 1,
 ) -> str:
-    """Train the joint model in-process on a temperature-sampled subset and save it atomically
-    at ``model_path`` (``.model``; a ``.vocab`` listing sits beside it). Returns ``model_path``."""
+    """Train the joint model in-process on the sample and save it atomically at ``model_path``
+    (``.model``; a ``.vocab`` listing sits beside it). Returns ``model_path``."""
     if not model_path.endswith(".model"):
         raise ValueError("model_path must end in .model")
     folder = os.path.dirname(os.path.abspath(model_path))
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".spm-tmp-", dir=folder) as tmp:
-        sample = os.path.join(tmp, "sample.txt")
-        write_sample(pairs, sample, sample_sentences, temperature, seed)
         prefix = os.path.join(tmp, "spm")
         try:
             spm.SentencePieceTrainer.train(
-                input=sample,
+                input=sample_path,
                 model_prefix=prefix,
                 vocab_size=vocab_size,
                 model_type=model_type,
@@ -184,9 +197,10 @@ class Tokenizer:
         """Piece ids of ``text`` (no tag, no eos)."""
         return self.sp.encode(text, out_type=int)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Piece ids of many texts, encoded on all cores by SentencePiece's own thread pool."""
-        return self.sp.encode(texts, out_type=int, num_threads=os.cpu_count() or 1)
+    def encode_batch(self, texts: list[str], threads: int = 0) -> list[list[int]]:
+        """Piece ids of many texts on ``threads`` SentencePiece threads (0: one per core; the
+        binarisation workers use 1, since they are already one process per core)."""
+        return self.sp.encode(texts, out_type=int, num_threads=threads or os.cpu_count() or 1)
 
     def encode_source(self, text: str, target_language: str) -> list[int]:
         """Model source: ``[<2tgt>] + pieces + [eos]``."""

@@ -1,6 +1,7 @@
 """Run configuration: YAML → validated dataclasses, with errors that name the file and key."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import typing
@@ -22,8 +23,12 @@ class ParallelConfig:
 
     pipeline_stages: int = 1
     """pp: number of pipeline stages (depth partitions)."""
+    tensor_parallel: int = 1
+    """tp: megatron-core tensor parallelism inside each stage (heads, FFN columns and the
+    vocabulary are split tp ways; tp must divide model.heads, model.ffn_dim and the vocabulary)."""
     data_parallel: int = 1
-    """dp: number of model replicas. Processes launched = pipeline_stages × data_parallel."""
+    """dp: number of model replicas. Processes launched = pipeline_stages × tensor_parallel ×
+    data_parallel."""
     zero_stage: int = 1
     """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. Stage 1 also gives the correct
     global gradient norm under pp > 1 (DeepSpeed's fp32 stage-0 path does not)."""
@@ -66,6 +71,30 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and at the end)."""
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (oldest deleted first)."""
+    instrument_interval: int = 0
+    """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
+    norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
+
+
+@dataclass(kw_only=True)
+class ClusterLayout:
+    """A named layout under a config's `clusters:`, applied by `./run.sh slurm CONFIG --cluster NAME`.
+
+    The same model and optimisation, laid out for one cluster: its sections override the config's
+    own, and nodes × gpus_per_node must equal the resulting pipeline × tensor × data ranks."""
+
+    nodes: int
+    """Nodes of the SLURM job."""
+    gpus_per_node: int
+    """GPUs per node; one rank per GPU."""
+    gpu: str = ""
+    """The device the layout was sized for (v100-32gb, a100-80gb, h100-80gb); informative."""
+    parallel: dict = field(default_factory=dict)
+    """Keys of `parallel` this cluster changes."""
+    data: dict = field(default_factory=dict)
+    """Keys of `data` this cluster changes (usually max_tokens, the micro-batch size)."""
+    train: dict = field(default_factory=dict)
+    """Keys of `train` this cluster changes (usually micro_batches)."""
 
 
 @dataclass(kw_only=True)
@@ -76,10 +105,13 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    clusters: dict[str, ClusterLayout] = field(default_factory=dict)
+    """Named layouts of this config for particular clusters (see ClusterLayout); optional."""
 
     @property
     def world_size(self) -> int:
-        return self.parallel.pipeline_stages * self.parallel.data_parallel
+        p = self.parallel
+        return p.pipeline_stages * p.tensor_parallel * p.data_parallel
 
 
 def _coerce(value, typ, where: str):
@@ -95,6 +127,12 @@ def _coerce(value, typ, where: str):
         return value
     if typ is str and isinstance(value, str):
         return value
+    if typ is dict and isinstance(value, dict):
+        return dict(value)
+    if origin is dict and isinstance(value, dict):
+        item = typing.get_args(typ)[1]
+        return {str(k): from_dict(item, v, f"{where}.{k}") if dataclasses.is_dataclass(item) else v
+                for k, v in value.items()}
     if origin in (list, tuple) and isinstance(value, (list, tuple)):
         args = typing.get_args(typ)
         if origin is tuple and len(args) != len(value):
@@ -130,8 +168,21 @@ def to_dict(obj) -> dict:
     return dataclasses.asdict(obj)
 
 
-def load_config(path: str, overrides: dict | None = None) -> RunConfig:
-    """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. from tests)."""
+def with_cluster(values: dict, name: str, where: str) -> dict:
+    """Raw config `values` with the sections of its `clusters.<name>` layout applied on top."""
+    layouts = values.get("clusters") or {}
+    if name not in layouts:
+        raise ConfigError(f"{where}: no layout {name!r} under clusters:; choose one of {sorted(layouts)}"
+                          if layouts else f"{where}: this config has no clusters: section")
+    merged = copy.deepcopy(values)
+    for section in ("parallel", "data", "train"):
+        merged.setdefault(section, {}).update(layouts[name].get(section) or {})
+    return merged
+
+
+def load_config(path: str, overrides: dict | None = None, cluster: str | None = None) -> RunConfig:
+    """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. from tests);
+    `cluster` selects one of the config's `clusters:` layouts. Every layout is validated."""
     if not os.path.exists(path):
         raise ConfigError(f"{path}: no such config file (configs/ lists the bundled ones)")
     with open(path, encoding="utf-8") as f:
@@ -146,13 +197,27 @@ def load_config(path: str, overrides: dict | None = None) -> RunConfig:
             values[section] = items
     cfg = from_dict(RunConfig, values, path)
     validate(cfg, path)
+    for name, layout in cfg.clusters.items():
+        where = f"{path}: clusters.{name}"
+        laid_out = from_dict(RunConfig, with_cluster(values, name, where), where)
+        validate(laid_out, where)
+        if layout.nodes * layout.gpus_per_node != laid_out.world_size:
+            raise ConfigError(f"{where}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
+                              f"must equal pipeline_stages × tensor_parallel × data_parallel = "
+                              f"{laid_out.world_size}")
+    if cluster is not None:
+        cfg = from_dict(RunConfig, with_cluster(values, cluster, path), path)
     return cfg
 
 
 def validate(cfg: RunConfig, where: str) -> None:
     p, t = cfg.parallel, cfg.train
-    if p.pipeline_stages < 1 or p.data_parallel < 1:
-        raise ConfigError(f"{where}: parallel.pipeline_stages and parallel.data_parallel must be >= 1")
+    if min(p.pipeline_stages, p.tensor_parallel, p.data_parallel) < 1:
+        raise ConfigError(f"{where}: parallel.pipeline_stages, tensor_parallel and data_parallel must be >= 1")
+    for key, value in (("model.heads", cfg.model.heads), ("model.ffn_dim", cfg.model.ffn_dim),
+                       ("data.vocab_size", cfg.data.vocab_size)):
+        if value % p.tensor_parallel:
+            raise ConfigError(f"{where}: parallel.tensor_parallel={p.tensor_parallel} must divide {key}={value}")
     if p.zero_stage not in (0, 1):
         raise ConfigError(f"{where}: parallel.zero_stage={p.zero_stage}: DeepSpeed's pipeline engine "
                           "supports ZeRO stage 0 or 1 only")
@@ -164,6 +229,8 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: parallel.precision={p.precision!r}: use fp32, bf16 or fp16")
     if p.activation_checkpoint_interval < 0:
         raise ConfigError(f"{where}: parallel.activation_checkpoint_interval must be >= 0")
+    if t.instrument_interval < 0:
+        raise ConfigError(f"{where}: train.instrument_interval must be >= 0 (0 turns the instruments off)")
     if t.micro_batches < 1 or t.max_steps < 1:
         raise ConfigError(f"{where}: train.micro_batches and train.max_steps must be >= 1")
     n_layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 2

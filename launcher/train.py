@@ -11,10 +11,12 @@ computes exactly the losses of an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -23,11 +25,43 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from launcher.config import RunConfig, load_config, to_dict  # noqa: E402
+from model.norms import set_training_step  # noqa: E402
 
 
 def log0(*args) -> None:
     if torch.distributed.get_rank() == 0:
         print(*args, flush=True)
+
+
+# Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
+# forwards it to every rank), or anyone may `kill -USR1` a single rank. The handler only sets a
+# flag; the ranks agree on it by a MAX all-reduce at every step boundary, so all of them stop after
+# the same step (a rank that left alone would leave the others blocked in the pipeline's send/recv),
+# save one checkpoint together, and exit with PREEMPTED_EXIT_CODE after rank 0 wrote
+# <run_dir>/preempted.json, which tells the job script to requeue the job.
+PREEMPT_SIGNAL = signal.SIGUSR1
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, to be retried
+PREEMPTED_MARKER = "preempted.json"
+_preempt_requested = False
+
+
+def _on_preempt_signal(signum, frame) -> None:
+    global _preempt_requested
+    _preempt_requested = True
+
+
+def install_preemption_handler() -> None:
+    signal.signal(PREEMPT_SIGNAL, _on_preempt_signal)
+
+
+def preemption_agreed() -> bool:
+    """True on every rank once any rank has received the preemption signal (a collective call)."""
+    from deepspeed.accelerator import get_accelerator
+
+    flag = torch.tensor([int(_preempt_requested)], dtype=torch.int32,
+                        device=get_accelerator().current_device_name())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def to_pipe(batches: list[dict], scale_num: int, total_tokens: int) -> list[tuple]:
@@ -42,6 +76,7 @@ class Trainer:
         from data.prepare import load_manifest
         from parallel.engine import build_engine, setup_distributed
 
+        install_preemption_handler()
         setup_distributed()
         self.cfg = cfg
         self.max_steps = max_steps or cfg.train.max_steps
@@ -49,10 +84,15 @@ class Trainer:
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
         manifest = load_manifest(self.data_dir)
         cfg.model.vocab_size = cfg.model.vocab_size or manifest["vocab_size"]
-        self.engine, self.module = build_engine(cfg, cfg.model)
+        # A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
+        # layout (parallel/checkpoints.py); once this run saves its own, 'latest' takes over.
+        has_latest = os.path.exists(os.path.join(self.ckpt_dir, "latest"))
+        universal = not has_latest and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal"))
+        self.engine, self.module = build_engine(cfg, cfg.model, load_universal=universal)
         self.dp = self.engine.grid.get_data_parallel_world_size()
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
-        log0(f"pipeline partition ({cfg.parallel.pipeline_stages} stages × {self.dp} replicas, "
+        log0(f"pipeline partition ({cfg.parallel.pipeline_stages} stages × tensor-parallel "
+             f"{cfg.parallel.tensor_parallel} × {self.dp} replicas, "
              f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
              f"{self.module.describe_partition()}")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"))
@@ -61,8 +101,17 @@ class Trainer:
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
-        if os.path.exists(os.path.join(self.ckpt_dir, "latest")):
+        if has_latest or universal:
             self.resume()
+        # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
+        # with the step on resume.
+        set_training_step(self.module, self.step)
+        self.stability = None
+        if cfg.train.instrument_interval > 0:
+            from launcher.stability import StabilityLogger
+
+            self.stability = StabilityLogger(self)
+            self.stability.start(self.step)
 
     # ---- checkpoints -------------------------------------------------------------------------
     def resume(self) -> None:
@@ -73,6 +122,10 @@ class Trainer:
         self.step = client["step"]
         self.stream.load_state_dict(client["data"])
         self.module.micro_offset = client["micro_offset"]
+        if client.get("tp_rng") is not None:  # dropout RNG of tensor-parallel regions, per rank
+            from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(client["tp_rng"])
         self.history = client["history"]
         log0(f"resumed from {path} at step {self.step}")
 
@@ -86,7 +139,8 @@ class Trainer:
         now = to_dict(self.cfg)
         # Activation checkpointing and precision may change between launches; these may not.
         fixed = [("model", key) for key in now["model"] if key != "vocab_size"]
-        fixed += [("parallel", key) for key in ("pipeline_stages", "data_parallel", "zero_stage", "partition_method")]
+        fixed += [("parallel", key) for key in ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage",
+                                                 "partition_method")]
         diffs = [f"{section}.{key}: {saved[section].get(key)!r} → {now[section][key]!r}"
                  for section, key in fixed if saved[section].get(key) != now[section][key]]
         if diffs:
@@ -96,7 +150,11 @@ class Trainer:
     def save(self) -> str:
         tag = f"step{self.step}"
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
-                  "micro_offset": self.module.micro_offset, "config": to_dict(self.cfg)}
+                  "micro_offset": self.module.micro_offset, "config": to_dict(self.cfg), "tp_rng": None}
+        if self.cfg.parallel.tensor_parallel > 1:
+            from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+            client["tp_rng"] = get_cuda_rng_tracker().get_states()
         self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -114,10 +172,15 @@ class Trainer:
         batches = self.stream.next_step(m * self.dp)
         total = sum(int(b["ntokens"]) for b in batches)
         mine = to_pipe(batches[self.dp_rank * m:(self.dp_rank + 1) * m], m * self.dp, total)
+        set_training_step(self.module, self.step)
         start = time.perf_counter()
-        loss = self.engine.train_batch(iter(mine))
+        with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
+            loss = self.engine.train_batch(iter(mine))
         elapsed = time.perf_counter() - start
         self.step += 1
+        set_training_step(self.module, self.step)
+        if self.stability:
+            self.stability.after_step(self.step, grads)
         norm = self.engine.get_global_grad_norm()
         return {"loss": float(loss), "lr": self.engine.get_lr()[0],
                 "grad_norm": float(norm) if norm is not None else float("nan"),
@@ -170,11 +233,26 @@ class Trainer:
                 self.history["valid"].append((self.step, v))
                 log0(f"step {self.step} | valid loss {v:.4f}")
                 monitor.write_events([("valid/loss", v, self.step)])
-            if self.step % cfg.save_interval == 0 or self.step == self.max_steps:
+            saved = self.step % cfg.save_interval == 0 or self.step == self.max_steps
+            if saved:
                 path = self.save()
                 log0(f"step {self.step} | saved checkpoint {path}")
+            if self.step < self.max_steps and preemption_agreed():
+                self.stop_preempted(already_saved=saved)
         wall = time.perf_counter() - t0
         return self.summary(wall)
+
+    def stop_preempted(self, already_saved: bool) -> None:
+        """Checkpoint the current step on every rank, leave the marker, exit for a requeue."""
+        path = os.path.join(self.ckpt_dir, f"step{self.step}") if already_saved else self.save()
+        if torch.distributed.get_rank() == 0:
+            with open(os.path.join(self.cfg.run_dir, PREEMPTED_MARKER), "w") as f:
+                json.dump({"step": self.step, "checkpoint": path, "signal": PREEMPT_SIGNAL.name,
+                           "time": time.time()}, f, indent=2)
+        log0(f"step {self.step} | preempted by {PREEMPT_SIGNAL.name}: saved checkpoint {path}; "
+             f"exiting with code {PREEMPTED_EXIT_CODE} (the SLURM job requeues itself and resumes here)")
+        torch.distributed.barrier()
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def summary(self, wall: float) -> dict:
         valid = self.history["valid"]
@@ -186,7 +264,8 @@ class Trainer:
             "mean_target_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "wall_seconds_this_launch": wall,
             "checkpoint": os.path.join(self.ckpt_dir, f"step{self.step}"),
-            "layout": {"pipeline_stages": self.cfg.parallel.pipeline_stages, "data_parallel": self.dp},
+            "layout": {"pipeline_stages": self.cfg.parallel.pipeline_stages,
+                       "tensor_parallel": self.cfg.parallel.tensor_parallel, "data_parallel": self.dp},
         }
         if torch.distributed.get_rank() == 0:
             with open(os.path.join(self.cfg.run_dir, "summary.json"), "w") as f:
@@ -204,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--run-dir", help="override run_dir of the config")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    install_preemption_handler()  # before the slow start-up (DeepSpeed imports, engine build)
     args = parser.parse_args(argv)
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     Trainer(cfg).run()

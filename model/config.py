@@ -21,7 +21,11 @@ class ModelConfig:
     vocab_size: int = 0
     """Joint vocabulary size; 0 means 'take it from the SentencePiece model of the data'."""
     norm: str = "deepnorm"
-    """Normalisation strategy: deepnorm | deepnorm-torchscale | postln | preln (see model/norms.py)."""
+    """Normalisation strategy: deepnorm | deepnorm-torchscale | postln | preln | postln-init |
+    subln | branchnorm (formulas in model/norms.py)."""
+    branchnorm_max_norm_step: int = 4000
+    """BranchNorm's T: the branch is normalised with weight 1 − t/T and is plain Post-LN from
+    optimizer step T on (norm: branchnorm only)."""
     dropout: float = 0.1
     """Dropout on embeddings and on the output of every residual branch."""
     attention_dropout: float = 0.0
@@ -49,5 +53,7 @@ class ModelConfig:
             raise ValueError("model.vocab_size must be set (> 0) before building the model")
         if self.activation not in ("relu", "gelu"):
             raise ValueError(f"model.activation={self.activation!r}: use relu or gelu")
+        if self.branchnorm_max_norm_step < 1:
+            raise ValueError("model.branchnorm_max_norm_step must be >= 1")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError("model.label_smoothing must be in [0, 1)")

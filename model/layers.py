@@ -66,7 +66,8 @@ class SharedEmbedding(nn.Module):
 class MultiheadAttention(nn.Module):
     """Attention with separate Q/K/V/O projections (each gets its own init gain)."""
 
-    def __init__(self, cfg: ModelConfig, norm: StackNorm):
+    def __init__(self, cfg: ModelConfig, norm: StackNorm, where: str = "self_attn"):
+        """`where` ('self_attn' or 'cross_attn') lets the strategy decide on an inner LayerNorm."""
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
@@ -75,6 +76,8 @@ class MultiheadAttention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
         for name, lin in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj), ("o", self.out_proj)):
             xavier_normal_linear(lin, norm.gain(name))
+        # Sub-LN's LayerNorm before the output projection (eq. 6); Identity for other strategies.
+        self.inner_norm = norm.inner_norm(where, d, cfg.layernorm_eps)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -105,11 +108,11 @@ class MultiheadAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
                                              dropout_p=self.dropout if self.training else 0.0)
         b, _, t, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.out_proj(self.inner_norm(out.transpose(1, 2).reshape(b, t, -1)))
 
 
 class FeedForward(nn.Module):
-    """FC2(act(FC1(x))) with dropout after the activation."""
+    """FC2(act(FC1(x))) with dropout after the activation (and Sub-LN's inner LayerNorm)."""
 
     def __init__(self, cfg: ModelConfig, norm: StackNorm):
         super().__init__()
@@ -119,9 +122,11 @@ class FeedForward(nn.Module):
         xavier_normal_linear(self.fc2, norm.gain("fc2"))
         self.act = F.relu if cfg.activation == "relu" else F.gelu
         self.dropout = nn.Dropout(cfg.activation_dropout)
+        # Sub-LN's LayerNorm before the second linear (eq. 8); Identity for other strategies.
+        self.inner_norm = norm.inner_norm("ffn", cfg.ffn_dim, cfg.layernorm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.dropout(self.act(self.fc1(x))))
+        return self.fc2(self.inner_norm(self.dropout(self.act(self.fc1(x)))))
 
 
 class EncoderLayer(nn.Module):
@@ -146,7 +151,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiheadAttention(cfg, norm)
         self.self_attn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
-        self.cross_attn = MultiheadAttention(cfg, norm)
+        self.cross_attn = MultiheadAttention(cfg, norm, "cross_attn")
         self.cross_attn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)
         self.ffn = FeedForward(cfg, norm)
         self.ffn_res = norm.residual(cfg.d_model, cfg.dropout, cfg.layernorm_eps)

@@ -16,7 +16,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers import DecoderLayer, EncoderLayer, SharedEmbedding, source_mask
-from model.norms import resolve
+from model.norms import StackNorm, resolve
 
 
 @dataclass(frozen=True)
@@ -27,30 +27,38 @@ class LayerDef:
     """embed | encoder | encoder_norm | decoder | decoder_norm | output"""
     name: str
     """Parameter prefix of this layer in `EncoderDecoder` (the output layer reuses 'embed')."""
+    index: int = 0
+    """Position of an encoder/decoder layer within its stack (Post-LN-init scales by it)."""
+
+
+def stack_norms(cfg: ModelConfig) -> tuple[StackNorm, StackNorm]:
+    """The (encoder, decoder) normalisation records of `cfg.norm` (see model/norms.py)."""
+    return resolve(cfg.norm, cfg.encoder_layers, cfg.decoder_layers, cfg.branchnorm_max_norm_step)
 
 
 def layer_plan(cfg: ModelConfig) -> list[LayerDef]:
-    enc_norm, dec_norm = resolve(cfg.norm, cfg.encoder_layers, cfg.decoder_layers)
+    enc_norm, dec_norm = stack_norms(cfg)
     plan = [LayerDef("embed", "embed")]
-    plan += [LayerDef("encoder", f"encoder_layers.{i}") for i in range(cfg.encoder_layers)]
+    plan += [LayerDef("encoder", f"encoder_layers.{i}", i) for i in range(cfg.encoder_layers)]
     if enc_norm.final_norm:
         plan.append(LayerDef("encoder_norm", "encoder_norm"))
-    plan += [LayerDef("decoder", f"decoder_layers.{i}") for i in range(cfg.decoder_layers)]
+    plan += [LayerDef("decoder", f"decoder_layers.{i}", i) for i in range(cfg.decoder_layers)]
     if dec_norm.final_norm:
         plan.append(LayerDef("decoder_norm", "decoder_norm"))
     plan.append(LayerDef("output", "embed"))
     return plan
 
 
-def build_layer(cfg: ModelConfig, kind: str) -> nn.Module:
-    """Construct the module of one plan entry (consumes the RNG exactly as the plain model does)."""
-    enc_norm, dec_norm = resolve(cfg.norm, cfg.encoder_layers, cfg.decoder_layers)
+def build_layer(cfg: ModelConfig, kind: str, index: int = 0) -> nn.Module:
+    """Construct the module of one plan entry (consumes the RNG exactly as the plain model does);
+    `index` is the layer's position in its stack (`LayerDef.index`)."""
+    enc_norm, dec_norm = stack_norms(cfg)
     if kind in ("embed", "output"):
         return SharedEmbedding(cfg)
     if kind == "encoder":
-        return EncoderLayer(cfg, enc_norm)
+        return EncoderLayer(cfg, enc_norm.layer(index))
     if kind == "decoder":
-        return DecoderLayer(cfg, dec_norm)
+        return DecoderLayer(cfg, dec_norm.layer(index))
     if kind in ("encoder_norm", "decoder_norm"):
         return nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps)
     raise ValueError(f"unknown layer kind {kind!r}")
@@ -71,7 +79,7 @@ class EncoderDecoder(nn.Module):
             if layer.kind == "output":
                 continue  # tied to the embedding
             torch.manual_seed(seed + i)
-            module = build_layer(cfg, layer.kind)
+            module = build_layer(cfg, layer.kind, layer.index)
             if layer.kind == "encoder":
                 self.encoder_layers.append(module)
             elif layer.kind == "decoder":

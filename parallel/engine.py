@@ -6,6 +6,7 @@ import io
 import logging
 import os
 import socket
+import subprocess
 
 import torch
 
@@ -17,6 +18,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def slurm_rank_env(environ: dict | None = None) -> dict[str, str]:
+    """torch.distributed's rank variables for a task started by `srun`, one task per device.
+
+    srun sets SLURM_PROCID/SLURM_LOCALID/SLURM_STEP_NUM_TASKS but no RANK/LOCAL_RANK/WORLD_SIZE,
+    and deepspeed.init_distributed does not read SLURM_* (it tries MPI discovery and fails).
+    Ranks are started by srun itself rather than by torchrun per node, so that SLURM signals and
+    kills every rank directly: the preemption signal reaches each trainer (torchrun's agent would
+    not forward SIGUSR1) and `--kill-on-bad-exit` ends the job when one rank dies instead of
+    leaving the others blocked in a collective. MASTER_ADDR is the step's first node (where task 0
+    runs); MASTER_PORT is derived from the job id so that every task finds the same one alone.
+    Empty outside an srun step (the batch script has no SLURM_STEP_ID) or when a launcher
+    (deepspeed, torchrun) has already set RANK.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
+        return {}
+    out = {"RANK": env["SLURM_PROCID"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+           "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))}
+    if "MASTER_ADDR" not in env:
+        nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+        try:
+            hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                   text=True, check=True, timeout=60).stdout.split()
+        except (OSError, subprocess.SubprocessError) as e:
+            raise SystemExit(f"error: cannot expand SLURM's node list {nodelist!r} with `scontrol show "
+                             f"hostnames` ({e}); export MASTER_ADDR=<first node> before srun") from None
+        out["MASTER_ADDR"] = hosts[0]
+    if "MASTER_PORT" not in env:
+        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return out
 
 
 def setup_distributed() -> None:
@@ -34,6 +67,8 @@ def setup_distributed() -> None:
 
     if dist.is_initialized():
         return
+    for key, value in slurm_rank_env().items():
+        os.environ.setdefault(key, value)
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -48,11 +83,13 @@ def setup_distributed() -> None:
                                auto_mpi_discovery=False, verbose=False)
 
 
-def deepspeed_config(cfg: RunConfig) -> dict:
+def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON config derived from the run config.
 
     Batches are token-budgeted, so DeepSpeed's 'micro batch size' is nominal (1): it is used only
     for sample counters. Loss normalisation is done by the labels' scale (parallel/pipeline.py).
+    `load_universal`: the checkpoint to resume is a universal one (another layout's, converted by
+    parallel/checkpoints.py reshard); DeepSpeed then reads weights and Adam moments by name.
     """
     p, t = cfg.parallel, cfg.train
     return {
@@ -65,6 +102,7 @@ def deepspeed_config(cfg: RunConfig) -> dict:
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": 16},
         "steps_per_print": 2**31,
         "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": load_universal},
         # DeepSpeed's monitors write our events on global rank 0: TensorBoard and one CSV per metric.
         "tensorboard": {"enabled": True, "output_path": os.path.join(cfg.run_dir, "tensorboard"),
                         "job_name": "train"},
@@ -91,25 +129,32 @@ def inverse_sqrt(warmup: int):
     return factor
 
 
-def build_engine(cfg: RunConfig, model_cfg: ModelConfig):
+def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = False):
     """Build the pipeline module, the optimizer, the LR schedule and DeepSpeed's engine."""
     import deepspeed
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+    from parallel.grid import Grid
     from parallel.pipeline import TranslationPipe
+    from parallel.tensor import TensorParallel, seed_tensor_parallel_rng
 
     p, t = cfg.parallel, cfg.train
-    world = torch.distributed.get_world_size()
-    if world != cfg.world_size:
-        raise RuntimeError(f"launched {world} processes but the config asks for pipeline_stages × "
-                           f"data_parallel = {p.pipeline_stages} × {p.data_parallel} = {cfg.world_size}")
-    topology = PipeDataParallelTopology(num_pp=p.pipeline_stages, num_dp=p.data_parallel)
+    grid = Grid(p.pipeline_stages, p.tensor_parallel, p.data_parallel)
+    try:
+        grid.check(torch.distributed.get_world_size(), model_cfg.heads, model_cfg.ffn_dim, model_cfg.vocab_size)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    topology = grid.build()
+    tp = None
+    if p.tensor_parallel > 1:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.precision]
+        tp = TensorParallel.create(p.tensor_parallel, p.pipeline_stages, dtype)
+        seed_tensor_parallel_rng(t.seed, tp.rank)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
         module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
-                                 activation_checkpoint_interval=p.activation_checkpoint_interval)
+                                 activation_checkpoint_interval=p.activation_checkpoint_interval, tp=tp)
     optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg))
+                                           config=deepspeed_config(cfg, load_universal))
     return engine, module

@@ -32,14 +32,21 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import source_mask
 from model.transformer import build_layer, layer_plan, smoothed_loss_sum
+from parallel.tensor import TensorParallel, shard_, vocab_parallel_smoothed_loss_sum
+
+
+def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int = 0) -> nn.Module:
+    """The plain layer, made tensor-parallel after its full-size init when tp is given."""
+    layer = build_layer(cfg, kind, index)
+    return shard_(layer, tp) if tp is not None else layer
 
 
 class EmbedPipe(nn.Module):
     """(src, tgt_in) → (h, src, tgt_in); owns the shared embedding (tied with OutputPipe)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed = build_layer(cfg, "embed")
+        self.embed = _build(cfg, "embed", tp)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         src, tgt_in = inputs
@@ -53,9 +60,9 @@ def output_logits(module: EmbedPipe, inputs: tuple[torch.Tensor, ...]) -> torch.
 
 
 class EncoderPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, kind: str = "encoder"):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, kind: str = "encoder", index: int = 0):
         super().__init__()
-        self.layer = build_layer(cfg, kind)
+        self.layer = _build(cfg, kind, tp, index)
         self.pad_id = cfg.pad_id
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -66,8 +73,8 @@ class EncoderPipe(nn.Module):
 
 
 class DecoderPipe(EncoderPipe):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg, "decoder")
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, index: int = 0):
+        super().__init__(cfg, tp, "decoder", index)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, src, tgt_in = inputs
@@ -78,9 +85,9 @@ class DecoderPipe(EncoderPipe):
 
 
 class FinalNormPipe(nn.Module):
-    """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder'."""
+    """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder' (replicated under TP)."""
 
-    def __init__(self, cfg: ModelConfig, part: str):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, part: str):
         super().__init__()
         self.norm = build_layer(cfg, f"{part}_norm")
         self.part = part
@@ -109,20 +116,20 @@ def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[
     return [float(cost[layer.kind]) for layer in layer_plan(cfg)]
 
 
-def layer_specs(cfg: ModelConfig) -> list[LayerSpec]:
+def layer_specs(cfg: ModelConfig, tp: TensorParallel | None = None) -> list[LayerSpec]:
     specs: list[LayerSpec] = []
     for layer in layer_plan(cfg):
         if layer.kind == "embed":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tied_weight_attr=["embed.weight"]))
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, tied_weight_attr=["embed.weight"]))
         elif layer.kind == "output":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, forward_fn=output_logits,
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, forward_fn=output_logits,
                                        tied_weight_attr=["embed.weight"]))
         elif layer.kind == "encoder":
-            specs.append(LayerSpec(EncoderPipe, cfg))
+            specs.append(LayerSpec(EncoderPipe, cfg, tp, index=layer.index))
         elif layer.kind == "decoder":
-            specs.append(LayerSpec(DecoderPipe, cfg))
+            specs.append(LayerSpec(DecoderPipe, cfg, tp, index=layer.index))
         else:
-            specs.append(LayerSpec(FinalNormPipe, cfg, layer.kind.split("_")[0]))
+            specs.append(LayerSpec(FinalNormPipe, cfg, tp, layer.kind.split("_")[0]))
     return specs
 
 
@@ -135,17 +142,19 @@ class TranslationPipe(PipelineModule):
     """PipelineModule whose layers are partitioned by `layer_costs` (partition_method='cost')."""
 
     def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost",
-                 activation_checkpoint_interval: int = 0):
+                 activation_checkpoint_interval: int = 0, tp: TensorParallel | None = None):
         # Set before PipelineModule.__init__, which calls _partition_layers.
         object.__setattr__(self, "_costs", layer_costs(cfg))
         object.__setattr__(self, "_plan", layer_plan(cfg))
 
         def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             target, scale = labels
+            if tp is not None:  # logits hold this rank's vocabulary slice
+                return vocab_parallel_smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing, tp) * scale
             return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
 
         super().__init__(
-            layers=layer_specs(cfg),
+            layers=layer_specs(cfg, tp),
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
@@ -156,6 +165,7 @@ class TranslationPipe(PipelineModule):
             base_seed=seed,
             dynamic_shape=True,
         )
+        self.tp = tp
 
     def _partition_layers(self, method: str = "cost") -> None:
         if method != "cost":
@@ -187,6 +197,8 @@ def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> d
     plan = layer_plan(cfg)
     out = {}
     for key, value in pipe_state.items():
+        if key.endswith("._extra_state"):  # megatron's linears keep a placeholder for Transformer Engine
+            continue
         if key.startswith("tied_modules.embed.embed."):
             out["embed." + key[len("tied_modules.embed.embed."):]] = value
             continue

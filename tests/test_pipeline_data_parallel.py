@@ -37,7 +37,7 @@ def test_pp2_dp2_equals_single_process(tiny_data, tmp_path):
 
     params = {}
     for rank in (0, 1):  # stage 0 and 1, from data-parallel rank 0
-        params.update(torch.load(f"{out}.params.stage{rank}.pt", weights_only=True))
+        params.update(torch.load(f"{out}.params.stage{rank}.tp0.pt", weights_only=True))
     assert set(params) == set(ref["params"])
     for name, value in ref["params"].items():
         if not name.endswith("k_proj.bias"):  # see test_pipeline_equivalence.py

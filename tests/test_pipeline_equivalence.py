@@ -31,7 +31,7 @@ def pp2_run(tiny_data, tmp_path_factory):
         result = json.load(f)
     params = {}
     for rank in range(2):
-        params.update(torch.load(f"{out}.params.stage{rank}.pt", weights_only=True))
+        params.update(torch.load(f"{out}.params.stage{rank}.tp0.pt", weights_only=True))
     reference = reference_run(load_config(config), STEPS)
     return result, params, reference
 

@@ -1,0 +1,233 @@
+"""`./run.sh experiment update-norms`: DeepNet's stability findings on CPU-sized models.
+
+Part 1 (paper Fig. 4): 64-128-2 models (d=64, FFN 128, 2 heads) at 6L-6L, 18L-18L, 50L-50L and
+100L-100L for every strategy in PART1_STRATEGIES, trained from the same seed on the bundled
+corpus for the first PART1_STEPS steps; ‖ΔF‖ (model/instruments.py) is measured on a fixed probe
+batch along the way, with the LayerNorm input sizes and per-layer gradient norms.
+
+Part 2 (paper Tables I and XI): 50L-50L models trained longer with and without DeepNorm; which
+diverge (non-finite loss) or stall (dev loss no better than predicting target-token frequencies).
+
+Both parts use the same recipe, chosen before running and the same for every strategy: AdamW
+β = (0.9, 0.98), lr 5e-4, no weight decay, no clipping, dropout 0.1, label smoothing 0.1, one
+256-token batch per step. "No warm-up" means the full lr from step 1 (held constant, as is the
+lr after a warm-up here: these runs are far shorter than any decay). Runs are single-process
+(plain model) and independent, so they are spread over `--workers` processes of one thread each.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from data.batching import BatchStream, PairDataset, eval_batches
+from data.config import DataConfig
+from model.config import ModelConfig
+from model.instruments import ProbeMonitor
+from model.norms import set_training_step
+from model.transformer import EncoderDecoder, smoothed_loss_sum
+
+DEPTHS = (6, 18, 50, 100)
+PART1_STRATEGIES = ("postln", "preln", "deepnorm", "subln", "branchnorm")
+PART1_STEPS = 60
+PART1_MEASURE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60)
+PART2_DEPTH = 50
+PART2_STEPS = 400
+PART2_ARMS = (("postln", 0), ("deepnorm", 0), ("postln", 100))
+"""(strategy, warm-up steps): Post-LN and DeepNorm without warm-up, and Post-LN with warm-up
+(whether warm-up alone rescues Post-LN at this depth)."""
+PART2_EVAL_EVERY = 50
+LR = 5e-4
+MAX_TOKENS = 256
+BRANCHNORM_T = 100
+"""BranchNorm's T for part 1 (longer than the 60 steps, so λ_t ≤ 0.6 throughout)."""
+STALL_MARGIN = 0.1
+"""A run stalls if its final dev loss is not at least this much below the unigram baseline."""
+DEV_SENTENCES = 200
+"""Dev pairs used for part 2's dev loss (the middle of the length-sorted dev split)."""
+
+
+@dataclass
+class Spec:
+    """One training run."""
+
+    part: int
+    strategy: str
+    depth: int
+    steps: int
+    warmup: int = 0
+    measure_at: tuple[int, ...] = ()
+    eval_every: int = 0
+    seed: int = 1
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cost(self) -> float:
+        """Relative run time (layers × steps plus the output layer's share)."""
+        return self.steps * (self.depth + 4)
+
+
+def model_config(strategy: str, depth: int, vocab: int) -> ModelConfig:
+    return ModelConfig(encoder_layers=depth, decoder_layers=depth, d_model=64, heads=2, ffn_dim=128,
+                       vocab_size=vocab, norm=strategy, dropout=0.1, branchnorm_max_norm_step=BRANCHNORM_T)
+
+
+def lr_at(step: int, warmup: int) -> float:
+    """lr of optimizer step `step` (1-based): linear warm-up over `warmup` steps, then constant."""
+    return LR * min(1.0, step / warmup) if warmup > 0 else LR
+
+
+def unigram_dev_loss(train: PairDataset, dev_batches: list[dict], vocab: int, eps: float) -> float:
+    """Label-smoothed loss on the dev batches of a model that ignores its input and predicts the
+    training targets' token frequencies (add-one smoothed): the level a stuck model sits at."""
+    counts = torch.ones(vocab, dtype=torch.float64)
+    for i in range(len(train)):
+        counts += torch.bincount(torch.from_numpy(train[i][1].astype("int64")), minlength=vocab).double()
+    log_p = (counts / counts.sum()).log().float()
+    total, tokens = 0.0, 0
+    for b in dev_batches:
+        logits = log_p.expand(*b["tgt_out"].shape, vocab)
+        total += float(smoothed_loss_sum(logits, b["tgt_out"], 0, eps))
+        tokens += b["ntokens"]
+    return total / tokens
+
+
+def dev_loss(model: EncoderDecoder, batches: list[dict]) -> float:
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            total += float(smoothed_loss_sum(model(b["src"], b["tgt_in"]), b["tgt_out"], 0, 0.1))
+            tokens += b["ntokens"]
+    model.train()
+    return total / tokens
+
+
+def _layer_summary(values: dict[str, float], depth: int, prefix: str) -> dict[str, float]:
+    if not values:
+        return {}
+    enc = [values[f"encoder_layers.{i}"] for i in range(depth)]
+    dec = [values[f"decoder_layers.{i}"] for i in range(depth)]
+    return {f"{prefix}_enc_first": enc[0], f"{prefix}_enc_last": enc[-1], f"{prefix}_dec_first": dec[0],
+            f"{prefix}_dec_last": dec[-1], f"{prefix}_max": max(enc + dec), f"{prefix}_mean": sum(enc + dec) / len(enc + dec)}
+
+
+def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
+    """Train one model; return its measured rows and a summary. Runs in a worker process."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    cfg = model_config(spec.strategy, spec.depth, vocab)
+    model = EncoderDecoder(cfg, seed=spec.seed)
+    train = PairDataset(os.path.join(data_dir, "train"))
+    dev_all = eval_batches(PairDataset(os.path.join(data_dir, "dev")), MAX_TOKENS)
+    probe = dev_all[len(dev_all) // 2]  # typical lengths (the split is length-sorted)
+    stream = BatchStream(train, MAX_TOKENS, seed=spec.seed, temperature=1.5)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+    monitor = ProbeMonitor(model, probe, cfg.pad_id)
+    rows, status, diverged_at = [], "trains", None
+    dev = _dev_subset(dev_all) if spec.eval_every else []
+    for step in range(spec.steps + 1):
+        row = {"step": step}
+        if step > 0:
+            set_training_step(model, step - 1)
+            batch = stream.next_step(1)[0]
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, spec.warmup)
+            with monitor.gradients() as grads:
+                loss = smoothed_loss_sum(model(batch["src"], batch["tgt_in"]), batch["tgt_out"], 0, 0.1)
+                loss = loss / batch["ntokens"]
+                loss.backward()
+            grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            row.update(loss=float(loss), grad_norm=grad_norm, lr=lr_at(step, spec.warmup))
+            row.update(_layer_summary(grads.result(), spec.depth, "layer_grad"))
+            if not (math.isfinite(row["loss"]) and math.isfinite(grad_norm)):
+                status, diverged_at = "diverged", step
+                rows.append(row)
+                break
+        set_training_step(model, step)
+        if step in spec.measure_at or (spec.eval_every and step % spec.eval_every == 0) or step == spec.steps:
+            m = monitor.measure()
+            row["delta_f"] = m["delta_f"]
+            row.update(_layer_summary(m["ln_input"], spec.depth, "ln_input"))
+        if dev and (step % spec.eval_every == 0 or step == spec.steps):
+            row["dev_loss"] = dev_loss(model, dev)
+        rows.append(row)
+    summary = {**asdict(spec), "status": status, "diverged_at": diverged_at,
+               "seconds": time.perf_counter() - start}
+    if dev:
+        summary["unigram_dev_loss"] = unigram_dev_loss(train, dev, vocab, 0.1)
+        last = [r["dev_loss"] for r in rows if "dev_loss" in r]
+        summary["final_dev_loss"] = last[-1] if last and status != "diverged" else float("nan")
+        if status == "trains" and summary["final_dev_loss"] > summary["unigram_dev_loss"] - STALL_MARGIN:
+            summary["status"] = "stalled"
+    return {"spec": summary, "rows": rows}
+
+
+def _dev_subset(batches: list[dict]) -> list[dict]:
+    """About DEV_SENTENCES dev pairs of typical length (the middle of the length-sorted split)."""
+    mid, chosen, n = len(batches) // 2, [], 0
+    for b in batches[mid:] + batches[:mid]:
+        if n >= DEV_SENTENCES:
+            break
+        chosen.append(b)
+        n += b["nsentences"]
+    return chosen
+
+
+def specs(quick: bool) -> list[Spec]:
+    """Every run of both parts (`quick`: a minutes-long smoke version with shallow models)."""
+    depths = (2, 4) if quick else DEPTHS
+    steps1 = 6 if quick else PART1_STEPS
+    out = [Spec(1, s, d, steps1, measure_at=tuple(x for x in PART1_MEASURE if x <= steps1))
+           for s in PART1_STRATEGIES for d in depths]
+    depth2, steps2 = (4, 20) if quick else (PART2_DEPTH, PART2_STEPS)
+    out += [Spec(2, s, depth2, steps2, warmup=w if not quick else min(w, 5),
+                 eval_every=PART2_EVAL_EVERY if not quick else 10) for s, w in PART2_ARMS]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from experiments.report import write_outputs
+    from data.prepare import prepare_data
+
+    parser = argparse.ArgumentParser(prog="run.sh experiment update-norms", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="docs/update-norms", help="where the CSV, PNG and tables go")
+    parser.add_argument("--work", default="runs/experiments/update-norms", help="prepared data")
+    parser.add_argument("--workers", type=int, default=2, help="parallel single-threaded runs")
+    parser.add_argument("--quick", action="store_true", help="shallow smoke version (about a minute)")
+    args = parser.parse_args(argv)
+
+    t0 = time.perf_counter()
+    data_cfg = DataConfig(max_tokens=MAX_TOKENS)  # the bundled default corpus (configs/default.yaml)
+    data_dir = os.path.join(args.work, "data")
+    manifest = prepare_data(data_cfg, data_dir, log=lambda *_: None)
+    runs = sorted(specs(args.quick), key=lambda s: -s.cost)  # longest first: better packing
+    print(f"update-norms: {len(runs)} runs on {args.workers} workers; data {data_dir}", flush=True)
+    results = []
+    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+        futures = [pool.submit(run_one, spec, data_dir, manifest["vocab_size"]) for spec in runs]
+        for future in futures:
+            result = future.result()
+            s = result["spec"]
+            results.append(result)
+            print(f"  part {s['part']} {s['strategy']:<11} {s['depth']:>3}L-{s['depth']}L "
+                  f"warm-up {s['warmup']:>3}: {s['status']:<8} {s['seconds']:6.1f} s "
+                  f"({time.perf_counter() - t0:.0f} s elapsed)", flush=True)
+    wall = time.perf_counter() - t0
+    paths = write_outputs(results, args.out, wall, " ".join(["./run.sh experiment update-norms", *(argv or [])]),
+                          args.workers)
+    print(f"update-norms: {wall / 60:.1f} min; wrote " + ", ".join(paths), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""./run.sh prepare [CONFIG]: prepare the data of a run without training."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from launcher.cli import DEFAULT_CONFIG
+from launcher.config import load_config
+
+HELP = "validate, tokenise and binarise the corpus of a config (resumable); no training"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="YAML run config")
+    parser.add_argument("--run-dir", help="override run_dir of the config")
+    parser.add_argument("--out", help="prepare into this folder instead of <run_dir>/data")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from data.batching import BatchStream, epoch_stats
+    from data.dataset import PairDataset
+    from data.prepare import prepare_data, split_prefix
+
+    cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    out = args.out or os.path.join(cfg.run_dir, "data")
+    print(f"config {args.config} → {out}", flush=True)
+    prepare_data(cfg.data, out, progress=not args.no_progress)
+
+    # What training will see: a first epoch of the configured batching, from lengths only.
+    stream = BatchStream(PairDataset(split_prefix(out, "train")), cfg.data.max_tokens,
+                         cfg.data.seed, cfg.data.sampling_temperature)
+    stats = epoch_stats(stream, 0, max_windows=4)
+    print(f"data: epoch 0 (windows {stats['windows']}, max_tokens {stats['max_tokens']}, "
+          f"T={cfg.data.sampling_temperature}): {stats['batches']:,} batches, "
+          f"{stats['examples']:,} examples, mean batch {stats['mean_batch_size']:.1f}, "
+          f"widest {stats['max_width']} tokens, padding {stats['padding_fraction']:.1%} "
+          f"(src {stats['src_padding_fraction']:.1%}, tgt {stats['tgt_padding_fraction']:.1%})")
+    shares = stats["examples_per_direction"]
+    print("data: examples per direction: "
+          + ", ".join(f"{d} {n:,}" for d, n in sorted(shares.items(), key=lambda x: -x[1])[:12])
+          + (f", … ({len(shares)} directions)" if len(shares) > 12 else ""))
+    return 0

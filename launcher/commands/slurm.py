@@ -1,0 +1,110 @@
+"""./run.sh slurm CONFIG --nodes N --gpus-per-node G: write (and with --submit, submit) a SLURM job."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from launcher.config import ConfigError, load_config
+from launcher.slurm import JobSpec, resolved_config_text, write_job
+
+HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML run config")
+    parser.add_argument("--cluster", help="one of the config's clusters: layouts (sets the layout, "
+                                          "--nodes and --gpus-per-node)")
+    parser.add_argument("--nodes", type=int, help="nodes of the job")
+    parser.add_argument("--gpus-per-node", type=int,
+                        help="GPUs per node, one rank each; 0 runs on CPU nodes with gloo")
+    parser.add_argument("--tasks-per-node", type=int,
+                        help="CPU nodes only: ranks per node (default: all ranks spread evenly)")
+    parser.add_argument("--cpus-per-task", type=int, help="CPUs per rank (sets OMP_NUM_THREADS)")
+    parser.add_argument("--partition", help="SLURM partition")
+    parser.add_argument("--time", help="time limit, e.g. 2-00:00:00; the job checkpoints and "
+                                       "requeues itself --signal-before seconds earlier")
+    parser.add_argument("--account", help="SLURM account to charge")
+    parser.add_argument("--signal-before", type=int, default=300,
+                        help="seconds before the time limit to checkpoint and requeue (default 300: "
+                             "the current step plus saving a multi-GB checkpoint)")
+    parser.add_argument("--run-dir", help="override run_dir of the config")
+    parser.add_argument("--name", help="job name (default: the config file's name)")
+    parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+
+
+def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int]:
+    """(nodes, gpus_per_node, tasks_per_node), checked against the config's pp × tp × dp."""
+    nodes = args.nodes if args.nodes is not None else (cluster.nodes if cluster else None)
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else (cluster.gpus_per_node if cluster else None)
+    if nodes is None or gpus is None:
+        raise ConfigError("give --nodes and --gpus-per-node (0 for CPU nodes), or --cluster NAME of "
+                          "the config's clusters: section")
+    if nodes < 1 or gpus < 0:
+        raise ConfigError("--nodes must be >= 1 and --gpus-per-node >= 0")
+    world = cfg.world_size
+    if gpus > 0:
+        if args.tasks_per_node not in (None, gpus):
+            raise ConfigError("--tasks-per-node: on GPU nodes there is one rank per GPU; leave it out")
+        tasks = gpus
+    else:
+        tasks = args.tasks_per_node or max(1, world // nodes)
+    p = cfg.parallel
+    if nodes * tasks != world:
+        raise ConfigError(
+            f"{args.config}: the layout needs pipeline_stages × tensor_parallel × data_parallel = "
+            f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {world} ranks, but "
+            f"--nodes {nodes} × {'--gpus-per-node' if gpus else '--tasks-per-node'} {tasks} = "
+            f"{nodes * tasks}; change the flags or parallel.data_parallel in the config")
+    return nodes, gpus, tasks
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The ./run.sh command with the flags that were given, for the script's header."""
+    words = ["./run.sh", "slurm", args.config]
+    for flag in ("cluster", "nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "partition",
+                 "time", "account", "signal_before", "run_dir", "name"):
+        value = getattr(args, flag)
+        if value is not None and not (flag == "signal_before" and value == 300):
+            words += ["--" + flag.replace("_", "-"), str(value)]
+    return shlex.join(words)
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {"run_dir": args.run_dir} if args.run_dir else None
+    cfg = load_config(args.config, overrides, cluster=args.cluster)
+    cluster = cfg.clusters.get(args.cluster) if args.cluster else None
+    nodes, gpus, tasks = _layout_flags(args, cfg, cluster)
+    if args.signal_before < 1:
+        raise ConfigError("--signal-before must be at least 1 second")
+    run_dir = os.path.abspath(cfg.run_dir)
+    cfg.run_dir = run_dir
+    p = cfg.parallel
+    spec = JobSpec(
+        name=args.name or os.path.splitext(os.path.basename(args.config))[0],
+        run_dir=run_dir, config=os.path.join(run_dir, "slurm", "config.yaml"),
+        nodes=nodes, gpus_per_node=gpus, tasks_per_node=tasks,
+        layout=f"pp={p.pipeline_stages} × tp={p.tensor_parallel} × dp={p.data_parallel}",
+        cpus_per_task=args.cpus_per_task, partition=args.partition, time=args.time,
+        account=args.account, signal_before=args.signal_before,
+        command=_command_line(args),
+    )
+    script = write_job(spec, resolved_config_text(cfg, args.config, args.cluster))
+    with open(script, encoding="utf-8") as f:
+        print(f.read())
+    print(f"wrote {script}\n  and {spec.config}", file=sys.stderr)
+    if not args.submit:
+        print(f"submit with: sbatch {script}", file=sys.stderr)
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError("--submit: sbatch is not on PATH (run this on a SLURM login node)")
+    proc = subprocess.run(["sbatch", "--parsable", script], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"error: sbatch refused the job: {proc.stderr.strip()}", file=sys.stderr)
+        return proc.returncode
+    job_id = proc.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}; log: {run_dir}/slurm/logs/{spec.name}-{job_id}.out")
+    return 0

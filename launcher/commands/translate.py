@@ -1,0 +1,164 @@
+"""./run.sh translate [MODEL] --to LANG: translate lines of text (stdin → stdout, or files).
+
+MODEL is a consolidated model file (`./run.sh convert consolidate`) or a run directory, whose
+latest checkpoint is consolidated in memory. Empty lines stay empty; a progress bar and the
+decoding speed go to stderr, the translations alone to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+HELP = "translate text with a trained model (stdin → stdout or --input/--output files; --to LANG)"
+DEFAULT_MODEL = "runs/default"
+CHUNK_LINES = 2000  # lines decoded per call: bounds memory on long inputs, keeps batches full
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Search options shared by translate and eval."""
+    from model.decoding import DecodeOptions
+
+    d = DecodeOptions()
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--beam", type=int, default=d.beam, help=f"beam size (default {d.beam})")
+    group.add_argument("--greedy", action="store_true", help="greedy search (same as --beam 1)")
+    group.add_argument("--lenpen", type=float, default=d.lenpen,
+                       help=f"length penalty: score = Σ log p / length^lenpen (default {d.lenpen})")
+    group.add_argument("--max-len-a", type=float, default=d.max_len_a,
+                       help=f"output at most a·|source| + b tokens (default a={d.max_len_a})")
+    group.add_argument("--max-len-b", type=int, default=d.max_len_b, help=f"(default b={d.max_len_b})")
+    group.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                       help=f"source tokens per batch (default {d.max_tokens})")
+
+
+def decode_options(args: argparse.Namespace):
+    from model.decoding import DecodeOptions
+
+    options = DecodeOptions(beam=1 if args.greedy else args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
+                            max_len_b=args.max_len_b, max_tokens=args.max_tokens)
+    options.validate()
+    return options
+
+
+class Translator:
+    """A loaded model and its SentencePiece model: text in, text out, any target per line."""
+
+    def __init__(self, loaded) -> None:
+        from data.spm import Tokenizer
+
+        self.model = loaded.model
+        self.meta = loaded.meta
+        self.spm_sha256 = hashlib.sha256(loaded.spm_model).hexdigest()
+        with tempfile.TemporaryDirectory() as tmp:  # SentencePiece reads the model into memory
+            path = os.path.join(tmp, "spm.model")
+            with open(path, "wb") as f:
+                f.write(loaded.spm_model)
+            self.tokenizer = Tokenizer(path)
+        self.truncated = 0
+        """Sources cut to the model's position table so far."""
+
+    def check_language(self, language: str) -> None:
+        self.tokenizer.tag_id(language)  # DataError naming the known languages
+
+    def translate(self, texts: list[str], targets: list[str], options,
+                  progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
+        """Translations of `texts`, text i into language targets[i]; also the number of tokens
+        generated (without eos). Empty texts give empty translations."""
+        from model.decoding import generate
+
+        tok = self.tokenizer
+        limit = self.model.cfg.max_positions
+        todo = [i for i, text in enumerate(texts) if text.strip()]
+        sources = []
+        for i in todo:
+            ids = tok.encode_source(texts[i], targets[i])
+            if len(ids) > limit:  # keep the tag and the eos
+                ids = ids[:limit - 1] + [tok.eos_id]
+                self.truncated += 1
+            sources.append(ids)
+        hyps = generate(self.model, sources, options, bos=tok.bos_id, eos=tok.eos_id,
+                        banned=list(tok.tags.values()), progress=progress)
+        out = [""] * len(texts)
+        for i, hyp in zip(todo, hyps, strict=True):
+            out[i] = tok.decode(hyp.tokens)
+        if progress is not None and len(todo) < len(texts):
+            progress(len(texts) - len(todo))
+        return out, sum(len(h.tokens) for h in hyps)
+
+
+def load_translator(source: str, tag: str | None = None) -> Translator:
+    from parallel.checkpoints import load_model
+
+    return Translator(load_model(source, tag))
+
+
+def progress_bar(total: int, what: str):
+    """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="sent", desc=what, file=sys.stderr, disable=None, leave=False)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"consolidated model file or run directory (default {DEFAULT_MODEL})")
+    parser.add_argument("--to", required=True, metavar="LANG", help="target language, e.g. de (tag <2de>)")
+    parser.add_argument("--input", "-i", help="file of source sentences, one per line (default: stdin)")
+    parser.add_argument("--output", "-o", help="file for the translations (default: stdout)")
+    parser.add_argument("--tag", help="checkpoint tag in a run directory (default: its latest)")
+    add_decoding_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from parallel.checkpoints import CheckpointError
+
+    try:
+        options = decode_options(args)
+        translator = load_translator(args.model, args.tag)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    translator.check_language(args.to)
+    if args.input and not os.path.isfile(args.input):
+        print(f"error: --input {args.input}: no such file", file=sys.stderr)
+        return 2
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    tmp = f"{args.output}.tmp" if args.output else None
+    sink = open(tmp, "w", encoding="utf-8") if tmp else sys.stdout
+    lines = tokens = 0
+    start = time.perf_counter()
+    bar = progress_bar(0, f"→ {args.to}")
+    try:
+        chunk: list[str] = []
+        for line in itertools.chain(source, [None]):
+            if line is not None:
+                chunk.append(line.rstrip("\n"))
+            if chunk and (line is None or len(chunk) == CHUNK_LINES):
+                bar.total = (bar.total or 0) + len(chunk)
+                out, generated = translator.translate(chunk, [args.to] * len(chunk), options, bar.update)
+                sink.write("".join(text + "\n" for text in out))
+                sink.flush()
+                lines, tokens, chunk = lines + len(out), tokens + generated, []
+    except BaseException:
+        if tmp:  # no half-written output file
+            sink.close()
+            os.remove(tmp)
+        raise
+    finally:
+        bar.close()
+        if args.input:
+            source.close()
+    if tmp:
+        sink.close()
+        os.replace(tmp, args.output)
+    seconds = time.perf_counter() - start
+    note = f", {translator.truncated} over-long sources truncated" if translator.truncated else ""
+    print(f"translated {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} sentences/s, "
+          f"{tokens / max(seconds, 1e-9):.0f} tokens/s, beam {options.beam}{note})", file=sys.stderr)
+    return 0

@@ -1,0 +1,207 @@
+"""SLURM batch jobs for multi-node training: the sbatch script, and the job's data step.
+
+The script runs one rank per device as an `srun` task (parallel/engine.py maps SLURM_PROCID,
+SLURM_LOCALID and the step's task count to RANK, LOCAL_RANK and WORLD_SIZE), rendezvous on the
+job's first node, and handles preemption: SLURM signals the batch shell `signal_before` seconds
+before the time limit, the shell forwards the signal to srun, which passes it to every rank; the
+trainers save a checkpoint together and exit, and the shell requeues the job, whose next start
+resumes from that checkpoint (launcher/train.py).
+
+    python -m launcher.slurm prepare --config C --run-dir D   # the job's first step
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from launcher.config import RunConfig, to_dict  # noqa: E402
+
+PREEMPTED_MARKER = "preempted.json"  # written by launcher/train.py (PREEMPTED_MARKER there)
+
+
+@dataclass(kw_only=True)
+class JobSpec:
+    """What the sbatch script needs beyond the run config."""
+
+    name: str
+    """Job name (sbatch --job-name); also the prefix of the log files."""
+    run_dir: str
+    """Absolute run directory: data, checkpoints, logs. Must be on a file system every node sees."""
+    config: str
+    """Absolute path of the resolved config the job reads (written into run_dir/slurm/)."""
+    nodes: int
+    gpus_per_node: int
+    """GPUs per node, one rank each; 0 means CPU nodes (gloo)."""
+    tasks_per_node: int
+    """Ranks per node (= gpus_per_node on GPU nodes)."""
+    layout: str
+    """pp × tp × dp, for the header comment."""
+    cpus_per_task: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    signal_before: int = 300
+    """Seconds before the time limit at which SLURM sends SIGUSR1 (checkpoint, then requeue)."""
+    python: str = sys.executable
+    root: str = ROOT
+    command: str = ""
+    """The command that generated the script, recorded in its header."""
+
+
+def resolved_config_text(cfg: RunConfig, source: str, cluster: str | None) -> str:
+    """The run config as the job will read it: every key explicit, the cluster layout applied."""
+    values = json.loads(json.dumps(to_dict(cfg)))  # tuples → lists, for YAML
+    values.pop("clusters", None)
+    origin = f"{source}" + (f" with clusters.{cluster}" if cluster else "")
+    header = (f"# Resolved from {origin} by ./run.sh slurm. The job reads this copy, so editing the\n"
+              f"# original does not change a running or requeued job; regenerate to change it.\n")
+    return header + yaml.safe_dump(values, sort_keys=False)
+
+
+def render_sbatch(spec: JobSpec) -> str:
+    """The batch script, written to be read by whoever runs the cluster."""
+    q = shlex.quote
+    gpu = spec.gpus_per_node > 0
+    ranks = spec.nodes * spec.tasks_per_node
+    logs = os.path.join(spec.run_dir, "slurm", "logs")
+    sb = [f"#SBATCH --job-name={spec.name}",
+          f"#SBATCH --nodes={spec.nodes}",
+          f"#SBATCH --ntasks-per-node={spec.tasks_per_node}" + ("   # one rank per GPU" if gpu else "   # ranks per node")]
+    if gpu:
+        sb.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+    if spec.cpus_per_task:
+        sb.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task}")
+    if spec.partition:
+        sb.append(f"#SBATCH --partition={spec.partition}")
+    if spec.account:
+        sb.append(f"#SBATCH --account={spec.account}")
+    if spec.time:
+        sb.append(f"#SBATCH --time={spec.time}")
+    sb += [f"#SBATCH --output={logs}/%x-%j.out   # one log per job id, stdout and stderr",
+           "#SBATCH --open-mode=append            # a requeued job appends to its log",
+           "#SBATCH --requeue",
+           f"#SBATCH --signal=B:USR1@{spec.signal_before}        # checkpoint and requeue "
+           f"{spec.signal_before} s before the time limit"]
+    if gpu:
+        backend = f"""# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
+export DS_ACCELERATOR=cuda
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed rank aborts collectives instead of hanging them
+export NCCL_DEBUG=WARN
+# Site-specific, uncomment and set for this cluster's fabric:
+# export NCCL_SOCKET_IFNAME=ib0            # interface for NCCL's bootstrap
+# export NCCL_IB_HCA=mlx5                  # InfiniBand adapters to use
+export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}"""
+    else:
+        backend = """# CPUs: gloo over TCP. Each rank computes with its task's CPUs.
+export DS_ACCELERATOR=cpu
+# export GLOO_SOCKET_IFNAME=eth0           # site-specific: the interface gloo should use
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"""
+    return f"""#!/bin/bash
+# deepnet-trainer: {spec.name} on {spec.nodes} node(s) × {spec.tasks_per_node} rank(s)
+#   = {ranks} ranks ({spec.layout}), {"NCCL on GPUs" if gpu else "gloo on CPUs"}
+# Generated by: {spec.command}
+# Submit with:  sbatch {spec.run_dir}/slurm/job.sbatch
+# Run directory (data, checkpoints, metrics, logs): {spec.run_dir}
+{chr(10).join(sb)}
+set -uo pipefail
+
+ROOT={q(spec.root)}
+PYTHON={q(spec.python)}
+CONFIG={q(spec.config)}
+RUN_DIR={q(spec.run_dir)}
+cd "$ROOT"
+export PYTHONPATH="$ROOT${{PYTHONPATH:+:$PYTHONPATH}}"
+export PYTHONWARNINGS=ignore
+
+# Rendezvous: rank 0 runs on the job's first node. The port is derived from the job id, so a
+# requeued job reuses it and two jobs sharing a node do not collide.
+export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+{backend}
+
+echo "$(date -Is) job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on $SLURM_JOB_NODELIST," \\
+     "master $MASTER_ADDR:$MASTER_PORT"
+
+# Preemption: SLURM sends USR1 to this shell only (--signal=B:...). Remember it, and pass it to
+# srun, which forwards it to every rank; the trainers finish the current step, save a checkpoint,
+# write $RUN_DIR/{PREEMPTED_MARKER} and exit.
+preempted=0
+train_pid=""
+on_preempt() {{
+  preempted=1
+  echo "$(date -Is) preemption signal: asking the ranks to checkpoint"
+  if [ -n "$train_pid" ]; then kill -USR1 "$train_pid"; fi
+}}
+trap on_preempt USR1
+
+# 1. Data: tokenise and binarise once into the run directory (a no-op when it is up to date).
+srun --nodes=1 --ntasks=1 "$PYTHON" -u -m launcher.slurm prepare --config "$CONFIG" --run-dir "$RUN_DIR" || exit 1
+
+# 2. Training: one task per rank; a checkpoint in $RUN_DIR/checkpoints is resumed.
+rm -f "$RUN_DIR/{PREEMPTED_MARKER}"
+if [ "$preempted" = 0 ]; then
+  srun --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} --kill-on-bad-exit=1 \\
+    "$PYTHON" -u launcher/train.py --config "$CONFIG" --run-dir "$RUN_DIR" &
+  train_pid=$!
+  wait "$train_pid"; rc=$?
+  # `wait` returns early when a trapped signal arrives; wait again until srun has really ended.
+  while kill -0 "$train_pid" 2>/dev/null; do wait "$train_pid"; rc=$?; done
+else
+  rc=1
+fi
+
+# 3. Preempted: requeue this job (same id, same log); its next start resumes from the checkpoint.
+#    Also when the signal came before the trainers could take it: they resume from the last one.
+if [ -f "$RUN_DIR/{PREEMPTED_MARKER}" ] || {{ [ "$preempted" = 1 ] && [ "$rc" != 0 ]; }}; then
+  if [ -f "$RUN_DIR/{PREEMPTED_MARKER}" ]; then
+    mv "$RUN_DIR/{PREEMPTED_MARKER}" "{logs}/{PREEMPTED_MARKER}.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
+  fi
+  echo "$(date -Is) requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+echo "$(date -Is) training ended with exit code $rc"
+exit "$rc"
+"""
+
+
+def write_job(spec: JobSpec, config_text: str) -> str:
+    """Write the resolved config and the script into <run_dir>/slurm/; return the script's path."""
+    slurm_dir = os.path.join(spec.run_dir, "slurm")
+    os.makedirs(os.path.join(slurm_dir, "logs"), exist_ok=True)  # sbatch does not create them
+    with open(spec.config, "w", encoding="utf-8") as f:
+        f.write(config_text)
+    path = os.path.join(slurm_dir, "job.sbatch")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_sbatch(spec))
+    os.chmod(path, 0o755)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`prepare`: the job's data step, run once on one node before the ranks start."""
+    parser = argparse.ArgumentParser(prog="python -m launcher.slurm", description=main.__doc__)
+    parser.add_argument("step", choices=["prepare"])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    from data.prepare import prepare_data
+    from launcher.config import load_config
+
+    cfg = load_config(args.config, {"run_dir": args.run_dir})
+    prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

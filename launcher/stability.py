@@ -1,0 +1,179 @@
+"""Stability instruments of a training run, on any pipeline × tensor × data layout.
+
+Every `train.instrument_interval` steps (0 = off, nothing installed) the trainer records:
+  * ‖ΔF‖ on a fixed probe batch (the first dev batch), relative to the model at step 0,
+  * the gradient norm of every encoder/decoder layer in that step,
+  * the mean size of the residual LayerNorm inputs of every layer on the probe batch.
+Definitions are in model/instruments.py. Each stage measures its own layers; the last stage of
+replica 0 measures ‖ΔF‖ (its logits are the model output); everything is gathered to global
+rank 0, which writes the summary scalars through DeepSpeed's monitor (TensorBoard and
+metrics/train/*.csv, beside loss and lr), every per-layer value to TensorBoard, and one long CSV
+<run_dir>/metrics/stability.csv (step, quantity, layer, value).
+
+F(x, θ_0) is kept in <run_dir>/metrics/stability_reference*.pt, so a resumed run keeps measuring
+against step 0. A run that turns the instruments on later measures against the step it resumed at
+(and says so).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+
+import torch
+from torch import nn
+
+from model.instruments import GradNorms, LayerNormInputs, probe_masks, update_sums
+from model.transformer import layer_plan
+
+
+def stage_layers(module: nn.Module, plan) -> dict[str, nn.Module]:
+    """The plain encoder/decoder layers of this pipeline stage, by their plan name.
+    `PipelineModule` registers plan layer i as child 'i'; the wrappers hold it as `.layer`."""
+    return {plan[int(name)].name: child.layer for name, child in module.named_children()
+            if name.isdigit() and plan[int(name)].kind in ("encoder", "decoder")}
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    # megatron-core marks the parameters it splits across tensor-parallel ranks.
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+class StabilityLogger:
+    def __init__(self, trainer):
+        from data.batching import eval_batches
+
+        self.trainer = trainer
+        self.engine, cfg = trainer.engine, trainer.cfg
+        self.interval = cfg.train.instrument_interval
+        self.pad_id = cfg.model.pad_id
+        self.layers = stage_layers(trainer.module, layer_plan(cfg.model))
+        grid = self.engine.grid
+        self.coords = {"stage": grid.get_stage_id(), "dp": grid.get_data_parallel_rank(),
+                       "tp": grid.get_slice_parallel_rank()}
+        self.probe = eval_batches(trainer.valid_data, cfg.data.max_tokens)[0]
+        self.masks = probe_masks(self.probe["src"], self.probe["tgt_in"], self.pad_id)
+        self.out_mask = self.probe["tgt_out"] != self.pad_id
+        self.metrics_dir = os.path.join(cfg.run_dir, "metrics")
+        self.ref_path = os.path.join(self.metrics_dir, f"stability_reference.tp{self.coords['tp']}.pt")
+        self.measures_delta = self.engine.is_last_stage() and self.coords["dp"] == 0
+        self.reference: torch.Tensor | None = None
+
+    # ---- the trainer's calls -----------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return step % self.interval == 0
+
+    def start(self, step: int) -> None:
+        """Take (step 0) or reload F(x, θ_0); log the starting point of a fresh run."""
+        found = torch.tensor(0)
+        if self.measures_delta and step > 0 and os.path.exists(self.ref_path):
+            saved = torch.load(self.ref_path, weights_only=True)
+            self.reference, found = saved["logits"], torch.tensor(1)
+        logits, ln = self._measure()
+        if self.measures_delta and self.reference is None:
+            self.reference = logits
+            os.makedirs(self.metrics_dir, exist_ok=True)
+            torch.save({"step": step, "logits": logits}, self.ref_path)
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+        if step > 0 and int(found) == 0 and torch.distributed.get_rank() == 0:
+            print(f"stability: no F(x, θ_0) from step 0 in {self.metrics_dir}; ‖ΔF‖ is measured "
+                  f"against step {step}", flush=True)
+        if step == 0:
+            self._log(0, logits, ln, None)
+
+    def gradients(self, step: int):
+        """Context for the train step that ends at `step`: per-layer gradient norms when due."""
+        return GradNorms(self.layers) if self.due(step) else contextlib.nullcontext()
+
+    def after_step(self, step: int, grads: GradNorms | None) -> None:
+        if self.due(step):
+            logits, ln = self._measure()
+            self._log(step, logits, ln, grads)
+
+    # ---- measuring ---------------------------------------------------------------------------
+    def _measure(self) -> tuple[torch.Tensor | None, dict[str, float]]:
+        with LayerNormInputs(self.layers, self.masks) as ln:
+            logits = self._probe()
+        return logits, ln.result()
+
+    def _probe(self) -> torch.Tensor | None:
+        """Forward the probe through the pipeline (eval mode); logits on the last stage.
+
+        The engine's forward advances the module's micro-batch counter (which seeds dropout) and
+        reseeds torch; both are restored so that turning instruments on, or resuming with them,
+        leaves the training numbers unchanged."""
+        b = self.probe
+        ntok = max(int(self.out_mask.sum()), 1)
+        batch = ((b["src"], b["tgt_in"]), (b["tgt_out"], torch.tensor(1.0 / ntok)))
+        module, monitor = self.trainer.module, self.engine.monitor
+        offset, rng = module.micro_offset, torch.get_rng_state()
+        enabled, monitor.enabled = monitor.enabled, False  # keep the probe out of eval_loss
+        try:
+            _, logits = self.engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
+        finally:
+            monitor.enabled = enabled
+            module.micro_offset = offset
+            torch.set_rng_state(rng)
+        return logits.detach().float() if self.engine.is_last_stage() else None
+
+    def _log(self, step: int, logits: torch.Tensor | None, ln: dict[str, float], grads: GradNorms | None) -> None:
+        payload = {**self.coords, "ln": ln, "grad": self._grad_parts(grads), "delta": None}
+        if self.measures_delta:
+            payload["delta"] = update_sums(logits, self.reference, self.out_mask)
+        gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+        torch.distributed.gather_object(payload, gathered, dst=0)
+        if gathered is not None:
+            self._write(step, gathered)
+
+    @staticmethod
+    def _grad_parts(grads: GradNorms | None) -> dict[str, tuple[float, float]]:
+        """Layer → (Σ‖g‖² of tensor-parallel-split parameters, Σ‖g‖² of replicated ones)."""
+        if grads is None:
+            return {}
+        parts = {}
+        for name, module in grads.layers.items():
+            split = repl = 0.0
+            for p in module.parameters():
+                if p in grads.squares:
+                    if _is_sharded(p):
+                        split += grads.squares[p]
+                    else:
+                        repl += grads.squares[p]
+            parts[name] = (split, repl)
+        return parts
+
+    # ---- rank 0 ------------------------------------------------------------------------------
+    def _write(self, step: int, gathered: list[dict]) -> None:
+        mine = [g for g in gathered if g["dp"] == 0]  # replica 0 speaks for the model
+        grad_sq: dict[str, float] = {}
+        ln: dict[str, float] = {}
+        delta_sq, delta_n = 0.0, 0
+        for g in mine:
+            for name, (split, repl) in g["grad"].items():
+                # split parameters: one shard per tp rank, add them all; replicated: count once
+                grad_sq[name] = grad_sq.get(name, 0.0) + split + (repl if g["tp"] == 0 else 0.0)
+            if g["tp"] == 0:
+                ln.update(g["ln"])
+            if g["delta"] is not None:
+                delta_sq += g["delta"][0]
+                delta_n = g["delta"][1] if g["tp"] == 0 else delta_n
+        rows = [("ln_input", name, value) for name, value in ln.items()]
+        rows += [("grad_norm", name, value ** 0.5) for name, value in grad_sq.items()]
+        summary = [("stability/delta_f", (delta_sq / max(delta_n, 1)) ** 0.5, step)]
+        if ln:
+            summary.append(("stability/ln_input_max", max(ln.values()), step))
+        if grad_sq:
+            summary.append(("stability/layer_grad_norm_max", max(grad_sq.values()) ** 0.5, step))
+        monitor = self.engine.monitor
+        monitor.write_events(summary)
+        if monitor.tb_monitor is not None:
+            monitor.tb_monitor.write_events([(f"stability/{q}/{name}", v, step) for q, name, v in rows])
+        os.makedirs(self.metrics_dir, exist_ok=True)
+        path = os.path.join(self.metrics_dir, "stability.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "quantity", "layer", "value"])
+            writer.writerow([step, "delta_f", "model", summary[0][1]])
+            writer.writerows([step, q, name, v] for q, name, v in sorted(rows))

@@ -1,0 +1,73 @@
+"""Training FLOPs of the encoder-decoder, and the utilisation figures built on them.
+
+One function, `training_flops`, is the formula; everything that reports TFLOP/s, MFU or HFU (the
+benchmark, the planner) calls it. Per sequence pair with S source and T target tokens, N encoder
+and M decoder layers, width d, FFN width f, vocabulary V, a training step (forward + backward,
+backward = 2 × forward) costs
+
+    6 · (P_enc·S + P_dec,T·T + P_dec,S·S)        weight matmuls
+  + 12 · N·d·S²  + 12 · M·d·T²                   self-attention scores and mixing
+  + 12 · M·d·T·S                                 cross-attention
+  + 6 · V·d·T                                    output projection (tied embedding)
+
+with P_enc = N·(4d² + 2df) the encoder's matmul weights and the decoder's split by the tokens they
+act on: cross-attention keys and values project the *source* (P_dec,S = M·2d²), everything else
+the target (P_dec,T = M·(6d² + 2df)). DESIGN §5 writes 6·P_dec·T; that undercounts by
+12·M·d²·(S − T) per pair whenever source and target lengths differ, which the exact count in
+tests/test_flops.py exposes. Causal self-attention is counted as full S² (the kernels compute
+the masked half too, and it is the usual convention). Biases, LayerNorms, softmax and the
+embedding gather are left out: they are not matmuls and are < 1% at these widths.
+
+MFU counts only the model FLOPs of real (non-padding) tokens; HFU counts what the hardware did:
+padded shapes plus the forward recomputed under activation checkpointing.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from model.config import ModelConfig
+
+
+def layer_matmul_params(cfg: ModelConfig) -> dict[str, int]:
+    """Weight-matrix elements per layer: encoder, decoder (target side), decoder (source side)."""
+    d, f = cfg.d_model, cfg.ffn_dim
+    return {"encoder": 4 * d * d + 2 * d * f, "decoder_target": 6 * d * d + 2 * d * f,
+            "decoder_source": 2 * d * d}
+
+
+def forward_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, layers_only: bool = False) -> float:
+    """Forward FLOPs of one sequence pair (multiply-add = 2 FLOPs).
+
+    `layers_only` leaves out the output projection: what activation checkpointing recomputes
+    (DeepSpeed checkpoints encoder and decoder layers, never the embedding or the output layer).
+    """
+    n, m, d, v = cfg.encoder_layers, cfg.decoder_layers, cfg.d_model, cfg.vocab_size
+    p = layer_matmul_params(cfg)
+    s, t = float(src_len), float(tgt_len)
+    weights = 2 * (n * p["encoder"] * s + m * p["decoder_target"] * t + m * p["decoder_source"] * s)
+    # Q·Kᵀ and P·V: 2·d FLOPs per (query, key) pair each.
+    attention = 4 * d * (n * s * s + m * t * t + m * t * s)
+    output = 0.0 if layers_only else 2 * v * d * t
+    return weights + attention + output
+
+
+def training_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, recompute: bool = False) -> float:
+    """FLOPs of forward + backward for one sequence pair; `recompute` adds the forward that
+    activation checkpointing repeats in backward (hardware FLOPs, not model FLOPs)."""
+    flops = 3 * forward_flops(cfg, src_len, tgt_len)
+    if recompute:
+        flops += forward_flops(cfg, src_len, tgt_len, layers_only=True)
+    return flops
+
+
+def batch_flops(cfg: ModelConfig, pairs: Iterable[tuple[int, int]], *, recompute: bool = False) -> float:
+    """Sum of `training_flops` over (source length, target length) pairs."""
+    return sum(training_flops(cfg, s, t, recompute=recompute) for s, t in pairs)
+
+
+def utilization(flops: float, seconds: float, peak_flops_per_s: float) -> float:
+    """Achieved FLOP/s as a fraction of the peak: MFU with model FLOPs, HFU with hardware FLOPs.
+    `peak_flops_per_s` is the peak of all devices the step ran on together."""
+    if seconds <= 0 or peak_flops_per_s <= 0:
+        raise ValueError("utilization needs a positive time and a positive peak")
+    return flops / seconds / peak_flops_per_s

@@ -1,0 +1,289 @@
+"""Pipeline checkpoints → one consolidated model file, and resharding to another layout.
+
+A DeepSpeed pipeline checkpoint (`<run_dir>/checkpoints/<tag>/`) holds one
+`layer_XX[-model_YY]-model_states.pt` per layer of the plan (written by the data-parallel rank 0
+of the stage owning it; the tied output layer has no file of its own), `mp_rank_XX_model_states.pt`
+per stage (engine state plus the trainer's client state, including the run config) and the ZeRO
+optimizer shards. Only tensors, dicts and plain values are in them, so everything here is read
+with `torch.load(weights_only=True)`: a checkpoint from elsewhere cannot run code when loaded.
+
+Consolidated file (`torch.save` of a dict, read back with weights_only=True):
+    format        CONSOLIDATED_FORMAT
+    model_config  ModelConfig fields
+    state_dict    the plain `EncoderDecoder`'s parameters (float32)
+    spm_model     bytes of the joint SentencePiece model
+    languages, directions, tags    from the data manifest
+    source        checkpoint path, tag, step and layout it came from
+
+Resharding goes through DeepSpeed's universal checkpoint (`deepspeed.checkpoint.ds_to_universal`),
+which stores every parameter and its Adam moments whole, by parameter name; the engine of any
+other pp × dp layout then loads it with `"checkpoint": {"load_universal": true}`. Parameter names
+of the pipeline module carry the layer's plan index, not its stage, so they do not change with pp.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from model.config import ModelConfig
+from model.transformer import EncoderDecoder, layer_plan
+from parallel.pipeline import plain_state_dict
+
+CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
+UNIVERSAL_LATEST = "latest_universal"  # the file DeepSpeed reads when load_universal is set
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or model file that cannot be used; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: EncoderDecoder
+    spm_model: bytes
+    meta: dict
+    """Everything of the consolidated dict except the weights and the SentencePiece bytes."""
+
+
+# ---- locating a checkpoint --------------------------------------------------------------------
+
+def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
+    """(run_dir, tag_dir, tag) for a run directory, its checkpoints/ folder or one tag folder."""
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, "mp_rank_00_model_states.pt")):
+        return os.path.dirname(os.path.dirname(path)), path, os.path.basename(path)
+    ckpt_dir = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
+    if tag is None:
+        for latest in ("latest", UNIVERSAL_LATEST):
+            if os.path.exists(os.path.join(ckpt_dir, latest)):
+                with open(os.path.join(ckpt_dir, latest)) as f:
+                    tag = f.read().strip()
+                break
+        else:
+            raise CheckpointError(f"{path}: no checkpoint found ({ckpt_dir}/latest is missing); "
+                                  "train first or pass a checkpoint folder")
+    tag_dir = os.path.join(ckpt_dir, tag)
+    if not os.path.exists(os.path.join(tag_dir, "mp_rank_00_model_states.pt")):
+        raise CheckpointError(f"{tag_dir} is not a DeepSpeed checkpoint (mp_rank_00_model_states.pt missing)")
+    return os.path.dirname(ckpt_dir), tag_dir, tag
+
+
+def _load(path: str) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # unpickling refused or a truncated file
+        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
+
+
+def checkpoint_meta(tag_dir: str) -> dict:
+    """Engine and client state of stage 0: step, run config, layout."""
+    state = _load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    if state.get("config") is None:
+        raise CheckpointError(f"{tag_dir}: no run config in the checkpoint's client state; it was not "
+                              "written by this trainer")
+    return state
+
+
+def model_config(values: dict, where: str) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: model config has keys {unknown} this version does not know")
+    return ModelConfig(**values)
+
+
+# ---- consolidation ----------------------------------------------------------------------------
+
+_LAYER_FILE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
+
+
+def pipeline_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The plain model's parameters from a checkpoint's per-layer files (or, for a universal
+    checkpoint, from its zero/<name>/fp32.pt files)."""
+    if os.path.isdir(os.path.join(tag_dir, "zero")) and not glob.glob(os.path.join(tag_dir, "layer_*")):
+        return _universal_state(tag_dir, cfg)
+    files: dict[tuple[int, int], str] = {}  # (plan index, tensor-parallel rank) → file
+    for name in sorted(os.listdir(tag_dir)):
+        match = _LAYER_FILE.match(name)
+        if match:
+            files[int(match.group(1)), int(match.group(3) or 0)] = os.path.join(tag_dir, name)
+    tp = 1 + max((rank for _, rank in files), default=0)
+    plan = layer_plan(cfg)
+    per_rank: list[dict[str, torch.Tensor]] = []
+    for rank in range(tp):
+        pipe: dict[str, torch.Tensor] = {}
+        for index, layer in enumerate(plan):
+            if layer.kind == "output":
+                continue  # tied to the embedding, saved with layer 0
+            if (index, rank) not in files:
+                raise CheckpointError(f"{tag_dir}: no file for layer {index} (tensor-parallel rank {rank}) of "
+                                      f"the model's {len(plan)} plan layers; the checkpoint is incomplete")
+            prefix = "tied_modules.embed." if layer.kind == "embed" else f"{index}."
+            pipe.update({prefix + key: value for key, value in _load(files[index, rank]).items()})
+        per_rank.append(plain_state_dict(cfg, pipe))
+    if tp == 1:
+        return per_rank[0]
+    from parallel.tensor import merge_shards  # knows which dimension each parameter is split on
+
+    return merge_shards(per_rank)
+
+
+def _universal_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    pipe = {}
+    for param_dir in sorted(glob.glob(os.path.join(tag_dir, "zero", "*"))):
+        pipe[os.path.basename(param_dir)] = _load(os.path.join(param_dir, "fp32.pt"))["param"]
+    return plain_state_dict(cfg, pipe)
+
+
+def _data_files(run_dir: str) -> tuple[bytes, dict]:
+    data_dir = os.path.join(run_dir, "data")
+    manifest_path = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(f"{data_dir}: manifest.json missing; the SentencePiece model of the run "
+                              "cannot be found")
+    with open(manifest_path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    with open(os.path.join(data_dir, manifest.get("spm_model", "spm.model")), "rb") as f:
+        return f.read(), manifest
+
+
+def consolidated_dict(source: str, tag: str | None = None) -> dict:
+    """The consolidated model of a run directory / checkpoint folder, as a dict (see module doc)."""
+    run_dir, tag_dir, tag = locate(source, tag)
+    meta = checkpoint_meta(tag_dir)
+    cfg = model_config(meta["config"]["model"], tag_dir)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in pipeline_state(tag_dir, cfg).items()}
+    spm_bytes, manifest = _data_files(run_dir)
+    if manifest["vocab_size"] != cfg.vocab_size:
+        raise CheckpointError(f"{run_dir}/data has a vocabulary of {manifest['vocab_size']} but the checkpoint "
+                              f"was trained with {cfg.vocab_size}; the data was prepared again since")
+    parallel = meta["config"].get("parallel", {})
+    return {
+        "format": CONSOLIDATED_FORMAT,
+        "model_config": asdict(cfg),
+        "state_dict": state,
+        "spm_model": spm_bytes,
+        "languages": manifest["languages"],
+        "directions": manifest["directions"],
+        "tags": manifest["tags"],
+        "source": {"checkpoint": tag_dir, "tag": tag, "step": int(meta.get("step", meta.get("global_steps", 0))),
+                   "pipeline_stages": parallel.get("pipeline_stages"), "data_parallel": parallel.get("data_parallel")},
+    }
+
+
+def consolidate(source: str, out_path: str, tag: str | None = None) -> dict:
+    """Write the consolidated model file atomically; returns its `source` record."""
+    package = consolidated_dict(source, tag)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    torch.save(package, tmp)
+    os.replace(tmp, out_path)
+    return package["source"]
+
+
+def _build(package: dict, where: str) -> LoadedModel:
+    if package.get("format") != CONSOLIDATED_FORMAT:
+        raise CheckpointError(f"{where}: not a consolidated model file (format {package.get('format')!r}); "
+                              "make one with ./run.sh convert consolidate RUN_DIR")
+    cfg = model_config(package["model_config"], where)
+    model = EncoderDecoder(cfg)
+    missing, unexpected = model.load_state_dict(package["state_dict"], strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: weights do not fit the model config (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]})")
+    model.eval()
+    meta = {k: v for k, v in package.items() if k not in ("state_dict", "spm_model")}
+    return LoadedModel(model, package["spm_model"], meta)
+
+
+def load_model(source: str, tag: str | None = None) -> LoadedModel:
+    """A consolidated file, or the latest (or `tag`) checkpoint of a run directory consolidated
+    in memory."""
+    if os.path.isfile(source):
+        return _build(_load(source), source)
+    if not os.path.isdir(source):
+        raise CheckpointError(f"{source}: no such model file or run directory")
+    return _build(consolidated_dict(source, tag), source)
+
+
+# ---- resharding -------------------------------------------------------------------------------
+
+def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: int,
+            tag: str | None = None, max_steps: int | None = None) -> str:
+    """Convert a checkpoint to a universal one in a new run directory laid out as
+    `pipeline_stages` × `data_parallel`; returns the config to resume it with
+    (`./run.sh train <out_run_dir>/config.yaml`).
+
+    The global batch is kept (micro_batches × data_parallel), so the resumed run draws the same
+    batches as the original would have. The data folder is linked, not copied. `max_steps`
+    replaces train.max_steps (a finished run needs a higher one to continue).
+    """
+    from launcher.config import ConfigError, RunConfig, from_dict, validate
+
+    run_dir, tag_dir, tag = locate(source, tag)
+    meta = checkpoint_meta(tag_dir)
+    if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        raise CheckpointError(f"{tag_dir} has no ZeRO optimizer shards; resharding needs a checkpoint "
+                              "trained with parallel.zero_stage: 1")
+    run_cfg = json.loads(json.dumps(meta["config"]))  # tuples → lists, a private copy
+    old = dict(run_cfg["parallel"])
+    if old.get("tensor_parallel", 1) > 1:
+        raise CheckpointError(f"{tag_dir} is tensor-parallel (tp={old['tensor_parallel']}); resharding "
+                              "supports pipeline and data parallelism only")
+    global_micro = run_cfg["train"]["micro_batches"] * old["data_parallel"]
+    if global_micro % data_parallel:
+        raise CheckpointError(f"the global batch has {global_micro} micro-batches (train.micro_batches × "
+                              f"data_parallel = {run_cfg['train']['micro_batches']} × {old['data_parallel']}); "
+                              f"data_parallel={data_parallel} must divide it")
+    out_run_dir = os.path.abspath(out_run_dir)
+    run_cfg["run_dir"] = out_run_dir
+    run_cfg["parallel"].update(pipeline_stages=pipeline_stages, data_parallel=data_parallel)
+    run_cfg["train"]["micro_batches"] = global_micro // data_parallel
+    if max_steps is not None:
+        run_cfg["train"]["max_steps"] = max_steps
+    try:
+        validate(from_dict(RunConfig, run_cfg, "the resharded config"), "the resharded config")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+
+    ckpt_dir = os.path.join(out_run_dir, "checkpoints")
+    if os.path.exists(ckpt_dir) and os.listdir(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir} already holds checkpoints; choose a new output run directory")
+    os.makedirs(ckpt_dir, exist_ok=True)
+    universal_tag = f"universal-{tag}"  # not 'step*': the trainer's clean-up of old tags skips it
+    work = os.path.join(ckpt_dir, f".{universal_tag}.tmp")
+    shutil.rmtree(work, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
+           "--output_folder", work, "--inject_missing_state", "--num_extract_workers", "2",
+           "--num_merge_workers", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode != 0:
+        shutil.rmtree(work, ignore_errors=True)
+        raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"
+                              f"{(proc.stdout + proc.stderr)[-3000:]}")
+    os.replace(work, os.path.join(ckpt_dir, universal_tag))
+
+    data_link = os.path.join(out_run_dir, "data")
+    if not os.path.exists(data_link):
+        os.symlink(os.path.join(run_dir, "data"), data_link)
+    import yaml
+
+    config_path = os.path.join(out_run_dir, "config.yaml")
+    with open(config_path, "w", encoding="utf-8") as f:
+        f.write(f"# resharded from {tag_dir} ({old['pipeline_stages']} stages × {old['data_parallel']} "
+                f"replicas) to {pipeline_stages} × {data_parallel}\n")
+        yaml.safe_dump(run_cfg, f, sort_keys=False)
+    with open(os.path.join(out_run_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(run_cfg, f, indent=2)
+    # Written last: its presence makes the trainer resume from the universal checkpoint.
+    with open(os.path.join(ckpt_dir, UNIVERSAL_LATEST), "w") as f:
+        f.write(universal_tag)
+    return config_path

@@ -1,0 +1,114 @@
+"""Runs under the deepspeed launcher with 2 ranks, tensor_parallel=2, one pipeline stage.
+
+Checks, written by rank 0 to `--out` (JSON):
+  vocab_loss:  the vocabulary-parallel smoothed loss and its gradient against torch's
+               F.cross_entropy(label_smoothing) on the full logits;
+  gradients:   one forward/backward of the tp=2 model against the plain model built from the same
+               seed: loss and every gradient (shards compared with the full gradient's slice);
+  sharded_init: the tp=2 parameters equal the slices of the plain model's at initialisation;
+  training:    the trainer with tp=2 (clipping on) for a few steps (compared with the
+               single-process reference by the test);
+  resume:      dropout 0.1 with activation checkpointing, checkpoint, resume in a fresh run
+               directory (the model-parallel RNG state must be restored).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from launcher.config import load_config  # noqa: E402
+from launcher.train import Trainer  # noqa: E402
+from model.transformer import EncoderDecoder, smoothed_loss_sum  # noqa: E402
+from parallel.pipeline import plain_state_dict  # noqa: E402
+from parallel.tensor import SHARD_DIM, vocab_parallel_smoothed_loss_sum  # noqa: E402
+from tests.dist.pipeline_worker import fresh_run_dir, record_steps, train_and_resume  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def check_vocab_loss(tp) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    vocab, n = 64, 40
+    full = (3 * torch.randn(n, vocab, generator=gen)).requires_grad_()
+    target = torch.randint(1, vocab, (n,), generator=gen)
+    target[::7] = 0  # padding
+    ref = F.cross_entropy(full, target, ignore_index=0, label_smoothing=0.1, reduction="sum")
+    ref.backward()
+    local = full.detach().chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
+    got = vocab_parallel_smoothed_loss_sum(local, target, 0, 0.1, tp)
+    got.backward()
+    return {"loss": float(got), "ref": float(ref),
+            "grad_rel": rel(local.grad, full.grad.chunk(tp.size, dim=1)[tp.rank])}
+
+
+def local_slice(name: str, full: torch.Tensor, tp) -> torch.Tensor:
+    dim = next((d for suffix, d in SHARD_DIM.items() if name.endswith(suffix)), None)
+    return full if dim is None else full.chunk(tp.size, dim=dim)[tp.rank]
+
+
+def check_gradients(trainer: Trainer) -> dict:
+    """The tp=2 module against the plain model on a real batch: loss and every gradient."""
+    cfg, module, tp = trainer.cfg, trainer.module, trainer.module.tp
+    plain = EncoderDecoder(cfg.model, seed=cfg.train.seed)
+    batch = trainer.stream.epoch_batches(0)[0]
+    from data.batching import collate
+
+    b = collate([trainer.train_data[int(i)] for i in batch])
+    init = {name: rel(value, local_slice(name, plain.state_dict()[name], tp))
+            for name, value in plain_state_dict(cfg.model, module.state_dict()).items()}
+
+    logits = module((b["src"], b["tgt_in"]))
+    loss = module.loss_fn(logits, (b["tgt_out"], torch.tensor(1.0)))
+    loss.backward()
+    ref = smoothed_loss_sum(plain(b["src"], b["tgt_in"]), b["tgt_out"], 0, cfg.model.label_smoothing)
+    ref.backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    grads = plain_state_dict(cfg.model, grads)
+    plain_grads = {name: p.grad for name, p in plain.named_parameters()}
+    grad_rel = {name: rel(g, local_slice(name, plain_grads[name], tp)) for name, g in grads.items()}
+    grad_abs = {name: float((g - local_slice(name, plain_grads[name], tp)).abs().max()) for name, g in grads.items()}
+    grad_max = max(float(g.abs().max()) for g in plain_grads.values())
+    module.zero_grad()
+    return {"loss": float(loss), "ref": float(ref), "grad_rel": grad_rel, "grad_abs": grad_abs,
+            "grad_max": grad_max, "init_rel": init,
+            "n_params": len(grads), "n_plain": len(plain_grads)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--local_rank", type=int)
+    args = parser.parse_args()
+
+    cfg = load_config(args.config)
+    data_dir = os.path.join(cfg.run_dir, "data")
+    trainer = Trainer(cfg, max_steps=args.steps)
+    results = {"vocab_loss": check_vocab_loss(trainer.module.tp), "gradients": check_gradients(trainer)}
+    results["training"] = record_steps(trainer, args.steps, None)
+
+    drop = copy.deepcopy(cfg)
+    drop.run_dir = cfg.run_dir + "-dropout"
+    drop.model.dropout = drop.model.attention_dropout = drop.model.activation_dropout = 0.1
+    drop.parallel.activation_checkpoint_interval = 1
+    fresh_run_dir(drop.run_dir, data_dir)
+    results["resume"] = train_and_resume(drop, args.steps, 2)
+
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
