@@ -21,6 +21,7 @@ from data.validate import CODE, KEPT, count_reasons, final_path
 from data.workers import worker_state
 
 SIDES = ("a", "b")
+RATIO_FLOOR = 5
 
 
 def _megatron_indexed():
@@ -60,12 +61,14 @@ def token_rules(
 ) -> np.ndarray:
     """Reason code per pair from the piece counts of its sides (0 = kept). Every pair trains in
     both directions, so each side must fit as a source (tag + pieces + eos) and as a target
-    (pieces + eos)."""
+    (pieces + eos). The length ratio counts a side shorter than ``RATIO_FLOOR`` pieces as that
+    long: one English word is often one piece and its translation four or five ("September" →
+    "Сентябрь"), which says nothing about misalignment."""
     longest = np.maximum(len_a, len_b)
     shortest = np.minimum(len_a, len_b)
     codes = np.zeros(len(len_a), dtype=np.uint8)
     too_long = (longest + 2 > max_source_len) | (longest + 1 > max_target_len)
-    codes[(longest > ratio * shortest)] = CODE["length_ratio"]
+    codes[longest > ratio * np.maximum(shortest, RATIO_FLOOR)] = CODE["length_ratio"]
     codes[too_long] = CODE["too_long_tokens"]
     codes[shortest == 0] = CODE["empty"]
     return codes

@@ -126,9 +126,6 @@ class PairDataset:
             tgt.append(t)
         self._cache["src_lens"] = np.concatenate(src) if src else np.zeros(0, np.int64)
         self._cache["tgt_lens"] = np.concatenate(tgt) if tgt else np.zeros(0, np.int64)
-        self._cache["dir_ids"] = np.repeat(
-            np.arange(len(self.direction_sizes), dtype=np.int16), self.direction_sizes
-        )
 
     @property
     def src_lens(self) -> np.ndarray:
@@ -149,5 +146,6 @@ class PairDataset:
     def dir_ids(self) -> np.ndarray:
         """Direction index of every example (see :attr:`src_lens`)."""
         if "dir_ids" not in self._cache:
-            self._materialise()
+            directions = np.arange(len(self.direction_sizes), dtype=np.int16)
+            self._cache["dir_ids"] = np.repeat(directions, self.direction_sizes)
         return self._cache["dir_ids"]

@@ -93,7 +93,13 @@ def catalog_pairs(files: list[str]) -> list[tuple[str, str]]:
     pairs: dict[tuple[str, str], None] = {}  # insertion-ordered set
     for path in files:
         for entry in _open_catalog(path):
-            if entry.obsolete or entry.fuzzy or not entry.translated():
+            # .mo entries carry no flags (msgfmt leaves fuzzy ones out) and no translated().
+            if entry.obsolete or getattr(entry, "fuzzy", False):
+                continue
+            if entry.msgid_plural:
+                if not entry.msgstr_plural or not all(entry.msgstr_plural.values()):
+                    continue
+            elif not entry.msgstr:
                 continue
             if entry.msgid_plural:
                 forms = [entry.msgstr_plural[k] for k in sorted(entry.msgstr_plural)]

@@ -213,6 +213,10 @@ def _rate(count: int, seconds: float) -> str:
     return f"{count:,} line pairs in {seconds:.1f} s ({count / max(seconds, 1e-9):,.0f}/s)"
 
 
+def _earlier(shards: int) -> str:
+    return f"; {shards} shards were done by an earlier run" if shards else ""
+
+
 def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, progress) -> dict:
     start = time.perf_counter()
     work = _start_work(out_dir, key, fingerprint, log)
@@ -242,7 +246,8 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
         pass
     for _, group in groupby(shards, key=lambda s: (s.split, s.pair)):
         deduplicate(list(group), work)
-    log(f"data: validated {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}")
+    log(f"data: validated {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}"
+        + _earlier(len(shards) - len(todo)))
 
     model_path = spm_model_path(out_dir)
     sample_info = os.path.join(work, "spm.json")
@@ -255,7 +260,7 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
         log(f"data: training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
             f"{sum(taken.values()):,} sampled lines")
         train_spm(sample, model_path, languages, cfg.vocab_size, cfg.spm_model_type,
-                  cfg.character_coverage)
+                  cfg.character_coverage, cfg.spm_normalization)
         _write_json(sample_info, {"sample": taken, "seconds": time.perf_counter() - clock})
     with open(sample_info, encoding="utf-8") as handle:
         taken = json.load(handle)["sample"]
@@ -269,7 +274,8 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     for _ in run_tasks(binarize_shard, todo, workers, "binarise", lambda t: t[0].lines,
                        setup=lambda: {"tokenizer": load_tokenizer(model_path)}, progress=progress):
         pass
-    log(f"data: binarised {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}")
+    log(f"data: binarised {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}"
+        + _earlier(len(shards) - len(todo)))
 
     stats = {shard.id: load_stats(out_dir, shard) for shard in shards}
     report = build_report([pair.name for pair in pairs], shards, stats)

@@ -106,9 +106,13 @@ def train_spm(
     vocab_size: int,
     model_type: str = "bpe",
     character_coverage: float = 1.0,
+    normalization: str = "identity",
 ) -> str:
     """Train the joint model in-process on the sample and save it atomically at ``model_path``
-    (``.model``; a ``.vocab`` listing sits beside it). Returns ``model_path``."""
+    (``.model``; a ``.vocab`` listing sits beside it). Returns ``model_path``.
+
+    Byte fallback is on: a character the sample never showed becomes its UTF-8 bytes instead of
+    <unk>, so with ``identity`` normalisation every text survives text → ids → text exactly."""
     if not model_path.endswith(".model"):
         raise ValueError("model_path must end in .model")
     folder = os.path.dirname(os.path.abspath(model_path))
@@ -122,6 +126,10 @@ def train_spm(
                 vocab_size=vocab_size,
                 model_type=model_type,
                 character_coverage=character_coverage,
+                normalization_rule_name=normalization,
+                # Keep runs of spaces: collapsing them would break the exact round trip.
+                remove_extra_whitespaces=normalization != "identity",
+                byte_fallback=True,
                 pad_id=PAD_ID,
                 unk_id=UNK_ID,
                 bos_id=BOS_ID,
@@ -136,7 +144,7 @@ def train_spm(
         except RuntimeError as error:
             raise DataError(
                 f"SentencePiece training failed: {error}. With a small corpus lower "
-                "data.vocab_size; it must also exceed the number of distinct characters."
+                "data.vocab_size; it must also exceed 256 byte pieces plus the distinct characters."
             ) from None
         _strip_machine_fields(prefix + ".model")
         os.replace(prefix + ".vocab", model_path[: -len(".model")] + ".vocab")

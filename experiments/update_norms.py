@@ -147,7 +147,7 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
             grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
             opt.step()
             opt.zero_grad(set_to_none=True)
-            row.update(loss=float(loss), grad_norm=grad_norm, lr=lr_at(step, spec.warmup))
+            row.update(loss=float(loss.detach()), grad_norm=grad_norm, lr=lr_at(step, spec.warmup))
             row.update(_layer_summary(grads.result(), spec.depth, "layer_grad"))
             if not (math.isfinite(row["loss"]) and math.isfinite(grad_norm)):
                 status, diverged_at = "diverged", step

@@ -1,15 +1,18 @@
-"""Benchmark worker: runs one or more layouts of the same world size in one launch.
+"""Benchmark worker: one layout per launch.
 
-    deepspeed --num_gpus N launcher/bench_worker.py --config RUN.yaml --layouts L.json --out R.json
+    deepspeed --num_gpus N launcher/bench_worker.py --config RUN.yaml --layout L.json --out R.json
     python launcher/bench_worker.py ...          (world of one: no launcher needed)
 
-For each layout the real `Trainer` is built and `train_step()` is timed for warm-up + measured
-steps. Around it the worker records, per rank: peak memory above the process baseline (VmHWM on
-CPU, reset through /proc/self/clear_refs before each layout so layouts sharing a process are
-measured apart; the allocator peak on GPUs), and how long each pipeline instruction took
-(forward, backward, send/recv, optimizer), from which the pipeline bubble is measured. Per step
-it records the padded shape and real lengths of every micro-batch of the global batch, so the
-launcher can count model and hardware FLOPs. Rank 0 writes everything to `--out` (JSON).
+The real `Trainer` is built and `train_step()` is timed for warm-up + measured steps. Around it
+the worker records, per rank: peak memory above the process baseline (VmHWM on CPU, the
+allocator peak on GPUs) and how long each pipeline instruction took (forward, backward,
+send/recv, optimizer), from which the pipeline bubble is measured. Per step it records the
+padded shape and real lengths of every micro-batch of the global batch, so the launcher can
+count model and hardware FLOPs. Rank 0 writes everything to `--out` (JSON).
+
+One layout per process because a DeepSpeed engine is never freed: ZeRO's gradient hooks sit on
+autograd nodes (C++), which Python's garbage collector cannot see through, so a second layout in
+the same process would start on top of the first one's parameters and optimizer state.
 """
 from __future__ import annotations
 
@@ -42,14 +45,33 @@ def _on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+def prime_process() -> None:
+    """Pay the process's one-time costs before the baseline is taken, so that the baseline is
+    'a process that can train' and the peak above it is the layout's own memory. Measured here:
+    the first AdamW step imports torch._dynamo (+74 MB RSS), the first matmuls and LayerNorms
+    start thread pools and kernel caches (+10 MB), DeepSpeed's monitors import TensorBoard."""
+    import deepspeed.runtime.pipe.engine  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
+
+    import data.batching  # noqa: F401  (imports megatron-core's IndexedDataset)
+    import data.prepare  # noqa: F401
+    import launcher.train  # noqa: F401
+    import parallel.pipeline  # noqa: F401
+
+    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.randn(2, 8, 32)).sum().backward()
+    optimizer.step()
+
+
 def reset_peak_memory() -> int:
-    """Return memory freed by earlier layouts to the OS, restart the high-water mark, and
-    return the current usage (the baseline) in bytes."""
+    """Restart the high-water mark and return the current usage (the baseline) in bytes."""
     gc.collect()
     if _on_cpu():
         try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:  # not glibc: the baseline just includes what the allocator kept
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so RSS is what is live
+        except OSError:
             pass
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: reset VmHWM to the current RSS
@@ -170,8 +192,6 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
     partition = [int(x) for x in trainer.module.parts]
-    del trainer, timers
-    gc.collect()
     if rank != 0:
         return None
     return {"layout": layout, "steps": steps, "batches": batches, "ranks": ranks, "partition": partition,
@@ -181,7 +201,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="base YAML run config (model, data, train)")
-    parser.add_argument("--layouts", required=True, help="JSON: a list of layouts of one world size")
+    parser.add_argument("--layout", required=True, help="JSON file: {'model': overrides, 'layout': {...}}")
     parser.add_argument("--work-dir", required=True, help="where each layout's run directory goes")
     parser.add_argument("--data-dir", required=True, help="prepared data (linked into every run dir)")
     parser.add_argument("--out", required=True, help="JSON results, written by rank 0")
@@ -192,13 +212,14 @@ def main() -> None:
     from parallel.engine import setup_distributed
 
     setup_distributed()
-    with open(args.layouts) as f:
+    prime_process()
+    with open(args.layout) as f:
         spec = json.load(f)
-    results = [run_layout(args.config, layout, args.work_dir, args.data_dir, spec.get("model", {}),
-                          args.profile_dir) for layout in spec["layouts"]]
-    if torch.distributed.get_rank() == 0:
+    result = run_layout(args.config, spec["layout"], args.work_dir, args.data_dir, spec.get("model", {}),
+                        args.profile_dir)
+    if result is not None:
         with open(args.out, "w") as f:
-            json.dump(results, f)
+            json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Every `train.instrument_interval` steps (0 = off, nothing installed) the trainer
   * ‖ΔF‖ on a fixed probe batch (the first dev batch), relative to the model at step 0,
   * the gradient norm of every encoder/decoder layer in that step,
   * the mean size of the residual LayerNorm inputs of every layer on the probe batch.
-Definitions are in model/instruments.py. Each stage measures its own layers; the last stage of
-replica 0 measures ‖ΔF‖ (its logits are the model output); everything is gathered to global
+Definitions are in model/instruments.py. Each stage measures its own layers; the stage holding
+the decoder's last layer (or final LayerNorm) measures ‖ΔF‖ on replica 0 (tensor-parallel rank 0:
+the residual stream is replicated across tensor-parallel ranks); everything is gathered to global
 rank 0, which writes the summary scalars through DeepSpeed's monitor (TensorBoard and
 metrics/train/*.csv, beside loss and lr), every per-layer value to TensorBoard, and one long CSV
 <run_dir>/metrics/stability.csv (step, quantity, layer, value).
@@ -23,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from model.instruments import GradNorms, LayerNormInputs, probe_masks, update_sums
+from model.instruments import GradNorms, LayerNormInputs, OutputCapture, probe_masks, update_sums
 from model.transformer import layer_plan
 
 
@@ -51,12 +52,17 @@ class StabilityLogger:
         grid = self.engine.grid
         self.coords = {"stage": grid.get_stage_id(), "dp": grid.get_data_parallel_rank(),
                        "tp": grid.get_slice_parallel_rank()}
-        self.probe = eval_batches(trainer.valid_data, cfg.data.max_tokens)[0]
+        dev = eval_batches(trainer.valid_data, cfg.data.max_tokens)
+        self.probe = dev[len(dev) // 2]  # typical lengths (the split is length-sorted)
         self.masks = probe_masks(self.probe["src"], self.probe["tgt_in"], self.pad_id)
         self.out_mask = self.probe["tgt_out"] != self.pad_id
         self.metrics_dir = os.path.join(cfg.run_dir, "metrics")
-        self.ref_path = os.path.join(self.metrics_dir, f"stability_reference.tp{self.coords['tp']}.pt")
-        self.measures_delta = self.engine.is_last_stage() and self.coords["dp"] == 0
+        self.ref_path = os.path.join(self.metrics_dir, "stability_reference.pt")
+        # F is the output of the plan layer just before the output projection (the decoder's last
+        # layer or final LayerNorm); its wrapper returns (h, src, tgt_in), F = h's decoder part.
+        last = dict(trainer.module.named_children()).get(str(len(layer_plan(cfg.model)) - 2))
+        self.output_module = last if last is not None and self.coords["dp"] == self.coords["tp"] == 0 else None
+        self.measures_delta = self.output_module is not None
         self.reference: torch.Tensor | None = None
 
     # ---- the trainer's calls -----------------------------------------------------------------
@@ -68,18 +74,18 @@ class StabilityLogger:
         found = torch.tensor(0)
         if self.measures_delta and step > 0 and os.path.exists(self.ref_path):
             saved = torch.load(self.ref_path, weights_only=True)
-            self.reference, found = saved["logits"], torch.tensor(1)
-        logits, ln = self._measure()
+            self.reference, found = saved["output"], torch.tensor(1)
+        output, ln = self._measure()
         if self.measures_delta and self.reference is None:
-            self.reference = logits
+            self.reference = output
             os.makedirs(self.metrics_dir, exist_ok=True)
-            torch.save({"step": step, "logits": logits}, self.ref_path)
+            torch.save({"step": step, "output": output}, self.ref_path)
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         if step > 0 and int(found) == 0 and torch.distributed.get_rank() == 0:
             print(f"stability: no F(x, θ_0) from step 0 in {self.metrics_dir}; ‖ΔF‖ is measured "
                   f"against step {step}", flush=True)
         if step == 0:
-            self._log(0, logits, ln, None)
+            self._log(0, output, ln, None)
 
     def gradients(self, step: int):
         """Context for the train step that ends at `step`: per-layer gradient norms when due."""
@@ -87,17 +93,17 @@ class StabilityLogger:
 
     def after_step(self, step: int, grads: GradNorms | None) -> None:
         if self.due(step):
-            logits, ln = self._measure()
-            self._log(step, logits, ln, grads)
+            output, ln = self._measure()
+            self._log(step, output, ln, grads)
 
     # ---- measuring ---------------------------------------------------------------------------
     def _measure(self) -> tuple[torch.Tensor | None, dict[str, float]]:
         with LayerNormInputs(self.layers, self.masks) as ln:
-            logits = self._probe()
-        return logits, ln.result()
+            output = self._probe()
+        return output, ln.result()
 
     def _probe(self) -> torch.Tensor | None:
-        """Forward the probe through the pipeline (eval mode); logits on the last stage.
+        """Forward the probe through the pipeline (eval mode); F on the stage that measures it.
 
         The engine's forward advances the module's micro-batch counter (which seeds dropout) and
         reseeds torch; both are restored so that turning instruments on, or resuming with them,
@@ -108,18 +114,21 @@ class StabilityLogger:
         module, monitor = self.trainer.module, self.engine.monitor
         offset, rng = module.micro_offset, torch.get_rng_state()
         enabled, monitor.enabled = monitor.enabled, False  # keep the probe out of eval_loss
+        select = lambda out: out[0][:, out[1].size(1):]  # noqa: E731  (decoder part of h)
+        capture = OutputCapture(self.output_module, select) if self.measures_delta else contextlib.nullcontext()
         try:
-            _, logits = self.engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
+            with capture:
+                self.engine.eval_batch(iter([batch]), num_micro_batches=1)
         finally:
             monitor.enabled = enabled
             module.micro_offset = offset
             torch.set_rng_state(rng)
-        return logits.detach().float() if self.engine.is_last_stage() else None
+        return capture.value if self.measures_delta else None
 
-    def _log(self, step: int, logits: torch.Tensor | None, ln: dict[str, float], grads: GradNorms | None) -> None:
+    def _log(self, step: int, output: torch.Tensor | None, ln: dict[str, float], grads: GradNorms | None) -> None:
         payload = {**self.coords, "ln": ln, "grad": self._grad_parts(grads), "delta": None}
         if self.measures_delta:
-            payload["delta"] = update_sums(logits, self.reference, self.out_mask)
+            payload["delta"] = update_sums(output, self.reference, self.out_mask)
         gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(payload, gathered, dst=0)
         if gathered is not None:
@@ -147,16 +156,13 @@ class StabilityLogger:
         mine = [g for g in gathered if g["dp"] == 0]  # replica 0 speaks for the model
         grad_sq: dict[str, float] = {}
         ln: dict[str, float] = {}
-        delta_sq, delta_n = 0.0, 0
         for g in mine:
             for name, (split, repl) in g["grad"].items():
                 # split parameters: one shard per tp rank, add them all; replicated: count once
                 grad_sq[name] = grad_sq.get(name, 0.0) + split + (repl if g["tp"] == 0 else 0.0)
             if g["tp"] == 0:
                 ln.update(g["ln"])
-            if g["delta"] is not None:
-                delta_sq += g["delta"][0]
-                delta_n = g["delta"][1] if g["tp"] == 0 else delta_n
+        delta_sq, delta_n = next(g["delta"] for g in mine if g["delta"] is not None)
         rows = [("ln_input", name, value) for name, value in ln.items()]
         rows += [("grad_norm", name, value ** 0.5) for name, value in grad_sq.items()]
         summary = [("stability/delta_f", (delta_sq / max(delta_n, 1)) ** 0.5, step)]

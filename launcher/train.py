@@ -5,7 +5,7 @@
 The data must already be prepared in <run_dir>/data (`launcher/cli.py train` does that first).
 Every rank builds the same deterministic batch stream; replica r takes micro-batches
 [r·m, (r+1)·m) of each global step. An existing checkpoint in <run_dir>/checkpoints is resumed,
-including the stream position and DeepSpeed's per-layer dropout seed offset, so a resumed run
+including the stream position and every rank's RNG state (parallel/rng.py), so a resumed run
 computes exactly the losses of an uninterrupted one.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from launcher.config import RunConfig, load_config, to_dict  # noqa: E402
 from model.norms import set_training_step  # noqa: E402
+from parallel import rng  # noqa: E402
 
 
 def log0(*args) -> None:
@@ -91,6 +92,12 @@ class Trainer:
         self.engine, self.module = build_engine(cfg, cfg.model, load_universal=universal)
         self.dp = self.engine.grid.get_data_parallel_world_size()
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
+        rng.seed_dropout(cfg.train.seed, self.engine.stage_id, self.dp_rank)
+        if cfg.parallel.tensor_parallel > 1:
+            from parallel.tensor import seed_tensor_parallel_rng
+
+            seed_tensor_parallel_rng(cfg.train.seed + 1_000 * self.engine.stage_id + self.dp_rank,
+                                     self.module.tp.rank)
         log0(f"pipeline partition ({cfg.parallel.pipeline_stages} stages × tensor-parallel "
              f"{cfg.parallel.tensor_parallel} × {self.dp} replicas, "
              f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
@@ -121,11 +128,9 @@ class Trainer:
             raise RuntimeError(f"{self.ckpt_dir}: 'latest' names a checkpoint that cannot be loaded")
         self.step = client["step"]
         self.stream.load_state_dict(client["data"])
-        self.module.micro_offset = client["micro_offset"]
-        if client.get("tp_rng") is not None:  # dropout RNG of tensor-parallel regions, per rank
-            from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
-
-            get_cuda_rng_tracker().set_states(client["tp_rng"])
+        if not rng.load(os.path.dirname(path), torch.distributed.get_rank()):
+            print(f"rank {torch.distributed.get_rank()}: {os.path.dirname(path)} holds no RNG state for this "
+                  "rank (another layout wrote it); dropout masks start afresh", flush=True)
         self.history = client["history"]
         log0(f"resumed from {path} at step {self.step}")
 
@@ -150,11 +155,8 @@ class Trainer:
     def save(self) -> str:
         tag = f"step{self.step}"
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
-                  "micro_offset": self.module.micro_offset, "config": to_dict(self.cfg), "tp_rng": None}
-        if self.cfg.parallel.tensor_parallel > 1:
-            from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
-
-            client["tp_rng"] = get_cuda_rng_tracker().get_states()
+                  "config": to_dict(self.cfg)}
+        rng.save(os.path.join(self.ckpt_dir, tag), torch.distributed.get_rank())
         self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client)
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
@@ -250,7 +252,7 @@ class Trainer:
                 json.dump({"step": self.step, "checkpoint": path, "signal": PREEMPT_SIGNAL.name,
                            "time": time.time()}, f, indent=2)
         log0(f"step {self.step} | preempted by {PREEMPT_SIGNAL.name}: saved checkpoint {path}; "
-             f"exiting with code {PREEMPTED_EXIT_CODE} (the SLURM job requeues itself and resumes here)")
+             f"exiting with code {PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
         torch.distributed.barrier()
         raise SystemExit(PREEMPTED_EXIT_CODE)
 

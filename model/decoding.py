@@ -60,8 +60,11 @@ class Hypothesis:
     """log p of every generated token, the eos included."""
 
 
-def _map_tensors(tree: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+def _map_tensors(tree: dict, fn: Callable[[torch.Tensor], torch.Tensor], skip: tuple[str, ...] = ()) -> None:
+    """Replace every tensor in a nested dict by fn(tensor), except under the keys `skip`."""
     for key, value in tree.items():
+        if key in skip:
+            continue
         if isinstance(value, dict):
             _map_tensors(value, fn)
         elif isinstance(value, torch.Tensor):
@@ -92,14 +95,17 @@ class IncrementalDecoder:
         self.position += 1
         return F.log_softmax(model.embed.logits(x[:, -1]).float(), dim=-1)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Row i becomes old row index[i] (in the encoder output and in every cache)."""
+    def reorder(self, index: torch.Tensor, memory: bool = True) -> None:
+        """Row i becomes old row index[i]. `memory=False` leaves the encoder output and the
+        cross-attention caches (DecoderLayer's cache['cross']) alone: right when index[i] is a
+        row of the same sentence as row i, as beams of one sentence share them."""
         def pick(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(0, index)
 
-        self.enc, self.mask = pick(self.enc), pick(self.mask)
+        if memory:
+            self.enc, self.mask = pick(self.enc), pick(self.mask)
         for cache in self.caches:
-            _map_tensors(cache, pick)
+            _map_tensors(cache, pick, skip=() if memory else ("cross",))
 
 
 def _banned_mask(vocab: int, banned: Sequence[int]) -> torch.Tensor:
@@ -199,7 +205,7 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tensor,
         tokens = torch.cat([tokens[origin], new_tok[:, None]], dim=1)
         token_scores = torch.cat([token_scores[origin], lprobs[origin, new_tok][:, None]], dim=1)
         scores, alive = next_scores[keep], alive[keep]
-        dec.reorder(origin)
+        dec.reorder(origin, memory=not bool(keep.all()))
     return [sorted(hyps, key=lambda h: -h.score) for hyps in finished]
 
 

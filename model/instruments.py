@@ -7,9 +7,12 @@ hooks only while it is used (a `with` block), so a run with instruments off pays
 
 Definitions used in this project:
 
-* F(x, θ) is the model's output on a fixed probe batch x: the logits of every non-padding target
-  position (model in eval mode, no dropout). The logits rather than the last hidden state, because
-  that is the output a pipeline's last stage returns and it includes the tied output embedding.
+* F(x, θ) is the model's output on a fixed probe batch x: the output of the decoder stack (after
+  its final LayerNorm, if the strategy has one), i.e. the input of the output projection, at every
+  non-padding target position, with the model in eval mode (no dropout). This is the F of the
+  paper's theorems, a stack of normalised sub-layers; the logits would add the update of the tied
+  output embedding, which learns the target-token frequencies at the same pace at every depth and
+  hides the depth effect the instrument is for.
   ‖ΔF‖ = ‖F(x, θ_t) − F(x, θ_0)‖₂ / √n, with n the probe's target tokens: the Frobenius norm of
   paper eq. 1 divided by a constant, i.e. the root-mean-square over tokens of the per-token
   change, so that its value does not depend on the probe's size.
@@ -142,13 +145,37 @@ def probe_masks(src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int) -> dict[st
     return {"encoder": src != pad_id, "decoder": tgt_in != pad_id}
 
 
+class OutputCapture:
+    """Keeps `select(output)` of `module`'s forward calls inside the `with` block (the last one)."""
+
+    def __init__(self, module: nn.Module, select=lambda output: output):
+        self.module, self.select = module, select
+        self.value: torch.Tensor | None = None
+        self._handle = None
+
+    def __enter__(self) -> OutputCapture:
+        def keep(_module, _inputs, output):
+            self.value = self.select(output).detach().float()
+        self._handle = self.module.register_forward_hook(keep)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+def decoder_output_module(model: nn.Module) -> nn.Module:
+    """The module of an `EncoderDecoder` whose output is F: the decoder's final LayerNorm, or its
+    last layer when the strategy has no final LayerNorm."""
+    return model.decoder_norm if model.decoder_norm is not None else model.decoder_layers[-1]
+
+
 class ProbeMonitor:
     """All three instruments for the single-process `EncoderDecoder` on one fixed probe batch.
 
-        monitor = ProbeMonitor(model, probe_batch)     # records F(x, θ_0)
-        with monitor.gradients() as grads:             # around a training step's backward
+        monitor = ProbeMonitor(model, probe_batch, pad_id)   # records F(x, θ_0)
+        with monitor.gradients() as grads:                   # around a training step's backward
             ...
-        grads.result(); monitor.measure()              # ‖ΔF‖ and LN inputs at θ_t
+        grads.result(); monitor.measure()                    # ‖ΔF‖ and LN inputs at θ_t
     """
 
     def __init__(self, model: nn.Module, batch: dict, pad_id: int):
@@ -163,8 +190,9 @@ class ProbeMonitor:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
-                return self.model(self.src, self.tgt_in).float()
+            with torch.no_grad(), OutputCapture(decoder_output_module(self.model)) as out:
+                self.model(self.src, self.tgt_in)
+            return out.value
         finally:
             self.model.train(was_training)
 

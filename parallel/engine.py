@@ -135,7 +135,7 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = 
 
     from parallel.grid import Grid
     from parallel.pipeline import TranslationPipe
-    from parallel.tensor import TensorParallel, seed_tensor_parallel_rng
+    from parallel.tensor import TensorParallel
 
     p, t = cfg.parallel, cfg.train
     grid = Grid(p.pipeline_stages, p.tensor_parallel, p.data_parallel)
@@ -148,7 +148,6 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = 
     if p.tensor_parallel > 1:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.precision]
         tp = TensorParallel.create(p.tensor_parallel, p.pipeline_stages, dtype)
-        seed_tensor_parallel_rng(t.seed, tp.rank)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
         module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
                                  activation_checkpoint_interval=p.activation_checkpoint_interval, tp=tp)

@@ -35,8 +35,10 @@ from model.transformer import build_layer, layer_plan, smoothed_loss_sum
 from parallel.tensor import TensorParallel, shard_, vocab_parallel_smoothed_loss_sum
 
 
-def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int = 0) -> nn.Module:
-    """The plain layer, made tensor-parallel after its full-size init when tp is given."""
+def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int, init_seed: int) -> nn.Module:
+    """The plain layer initialised from `init_seed` (seed + plan position, as in EncoderDecoder),
+    made tensor-parallel after its full-size init when tp is given."""
+    torch.manual_seed(init_seed)
     layer = build_layer(cfg, kind, index)
     return shard_(layer, tp) if tp is not None else layer
 
@@ -44,9 +46,9 @@ def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int = 
 class EmbedPipe(nn.Module):
     """(src, tgt_in) → (h, src, tgt_in); owns the shared embedding (tied with OutputPipe)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int):
         super().__init__()
-        self.embed = _build(cfg, "embed", tp)
+        self.embed = _build(cfg, "embed", tp, 0, init_seed)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         src, tgt_in = inputs
@@ -60,9 +62,10 @@ def output_logits(module: EmbedPipe, inputs: tuple[torch.Tensor, ...]) -> torch.
 
 
 class EncoderPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, kind: str = "encoder", index: int = 0):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0,
+                 kind: str = "encoder"):
         super().__init__()
-        self.layer = _build(cfg, kind, tp, index)
+        self.layer = _build(cfg, kind, tp, index, init_seed)
         self.pad_id = cfg.pad_id
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -73,8 +76,8 @@ class EncoderPipe(nn.Module):
 
 
 class DecoderPipe(EncoderPipe):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, index: int = 0):
-        super().__init__(cfg, tp, "decoder", index)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0):
+        super().__init__(cfg, tp, init_seed, index, "decoder")
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, src, tgt_in = inputs
@@ -87,9 +90,9 @@ class DecoderPipe(EncoderPipe):
 class FinalNormPipe(nn.Module):
     """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder' (replicated under TP)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, part: str):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, part: str):
         super().__init__()
-        self.norm = build_layer(cfg, f"{part}_norm")
+        self.norm = _build(cfg, f"{part}_norm", None, 0, init_seed)
         self.part = part
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -116,26 +119,24 @@ def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[
     return [float(cost[layer.kind]) for layer in layer_plan(cfg)]
 
 
-def layer_specs(cfg: ModelConfig, tp: TensorParallel | None = None) -> list[LayerSpec]:
+def layer_specs(cfg: ModelConfig, seed: int, tp: TensorParallel | None = None) -> list[LayerSpec]:
+    """One spec per plan entry; entry i is initialised from seed + i."""
     specs: list[LayerSpec] = []
-    for layer in layer_plan(cfg):
+    for i, layer in enumerate(layer_plan(cfg)):
         if layer.kind == "embed":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, tied_weight_attr=["embed.weight"]))
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, tied_weight_attr=["embed.weight"]))
         elif layer.kind == "output":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, forward_fn=output_logits,
+            # Built on the last stage from another seed, then overwritten by DeepSpeed's broadcast
+            # of the first stage's embedding (the tied weight).
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, forward_fn=output_logits,
                                        tied_weight_attr=["embed.weight"]))
         elif layer.kind == "encoder":
-            specs.append(LayerSpec(EncoderPipe, cfg, tp, index=layer.index))
+            specs.append(LayerSpec(EncoderPipe, cfg, tp, seed + i, index=layer.index))
         elif layer.kind == "decoder":
-            specs.append(LayerSpec(DecoderPipe, cfg, tp, index=layer.index))
+            specs.append(LayerSpec(DecoderPipe, cfg, tp, seed + i, index=layer.index))
         else:
-            specs.append(LayerSpec(FinalNormPipe, cfg, tp, layer.kind.split("_")[0]))
+            specs.append(LayerSpec(FinalNormPipe, cfg, tp, seed + i, layer.kind.split("_")[0]))
     return specs
-
-
-def seed_torch(seed) -> None:
-    # DeepSpeed passes numpy integers, which torch.manual_seed rejects.
-    torch.manual_seed(int(seed))
 
 
 class TranslationPipe(PipelineModule):
@@ -154,15 +155,17 @@ class TranslationPipe(PipelineModule):
             return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
 
         super().__init__(
-            layers=layer_specs(cfg, tp),
+            layers=layer_specs(cfg, seed, tp),
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
             activation_checkpoint_interval=activation_checkpoint_interval,
             checkpointable_layers=["EncoderPipe", "DecoderPipe"],
-            seed_layers=True,
-            seed_fn=seed_torch,
-            base_seed=seed,
+            # Not DeepSpeed's seed_layers: it reseeds every layer in forward from its index within
+            # the checkpointed chunk, so with activation checkpointing all layers of a micro-batch
+            # drew the same dropout masks. Init seeds are set by the specs; dropout uses each
+            # rank's RNG stream (seeded and checkpointed by the trainer).
+            seed_layers=False,
             dynamic_shape=True,
         )
         self.tp = tp

@@ -191,3 +191,147 @@ def test_unknown_strategy_and_bad_T_are_refused():
         EncoderDecoder(small("rmsnorm"))
     with pytest.raises(ValueError, match="branchnorm_max_norm_step"):
         EncoderDecoder(small("branchnorm", branchnorm_max_norm_step=0))
+
+
+# ---- every strategy as a 2-stage pipeline (one deepspeed launch for all) ------------------------
+
+PP_STEPS, PP_SAVE_AT = 4, 2
+
+
+def reference_with_instruments(cfg, steps: int) -> dict:
+    """The trainer's recipe in one process (tests/reference.py) plus BranchNorm's step and the
+    instruments of model/instruments.py on the dev split's middle batch, every step."""
+    import os
+
+    from data.batching import BatchStream, PairDataset, eval_batches
+    from data.prepare import load_manifest
+    from model.instruments import ProbeMonitor
+    from model.transformer import smoothed_loss_sum
+    from parallel.engine import inverse_sqrt
+
+    data_dir = os.path.join(cfg.run_dir, "data")
+    cfg.model.vocab_size = cfg.model.vocab_size or load_manifest(data_dir)["vocab_size"]
+    model = EncoderDecoder(cfg.model, seed=cfg.train.seed)
+    t = cfg.train
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(t.warmup_steps))
+    stream = BatchStream(PairDataset(os.path.join(data_dir, "train")), cfg.data.max_tokens, cfg.data.seed,
+                         cfg.data.sampling_temperature)
+    dev = eval_batches(PairDataset(os.path.join(data_dir, "dev")), cfg.data.max_tokens)
+    monitor = ProbeMonitor(model, dev[len(dev) // 2], cfg.model.pad_id)
+    first = monitor.measure()
+    out = {"loss": [], "grad_norm": [], "delta_f": [first["delta_f"]], "ln_input": [first["ln_input"]],
+           "layer_grad": [None]}
+    for step in range(steps):
+        set_training_step(model, step)
+        batches = stream.next_step(t.micro_batches)
+        total = sum(int(b["ntokens"]) for b in batches)
+        step_loss = 0.0
+        with monitor.gradients() as grads:
+            for b in batches:
+                loss = smoothed_loss_sum(model(b["src"], b["tgt_in"]), b["tgt_out"], cfg.model.pad_id,
+                                         cfg.model.label_smoothing) / total
+                loss.backward()
+                step_loss += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        set_training_step(model, step + 1)
+        m = monitor.measure()
+        out["loss"].append(step_loss)
+        out["grad_norm"].append(norm.item())
+        out["delta_f"].append(m["delta_f"])
+        out["ln_input"].append(m["ln_input"])
+        out["layer_grad"].append(grads.result())
+    return out
+
+
+def read_stability_csv(run_dir: str) -> list[dict]:
+    """metrics/stability.csv as one dict per logged step, in the order written."""
+    import csv
+    import os
+
+    logged: list[dict] = []
+    with open(os.path.join(run_dir, "metrics", "stability.csv")) as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"])
+            if row["quantity"] == "delta_f":
+                logged.append({"step": step, "delta_f": float(row["value"]), "ln_input": {}, "grad_norm": {}})
+            else:
+                logged[-1][row["quantity"]][row["layer"]] = float(row["value"])
+    return logged
+
+
+@pytest.fixture(scope="module")
+def pp2_strategies(tiny_data, tmp_path_factory):
+    import copy
+    import json
+
+    from launcher.config import load_config
+    from tests.conftest import launch, write_run_config
+
+    work = tmp_path_factory.mktemp("strategies")
+    config = write_run_config(str(work / "pp2.yaml"), str(work / "run"), tiny_data,
+                              train={"micro_batches": 2, "clip_norm": 0.5, "lr": 0.002, "save_interval": 1000})
+    out = str(work / "result.json")
+    proc = launch(2, "tests/dist/strategies_worker.py",
+                  ["--config", config, "--out", out, "--strategies", ",".join(ALL),
+                   "--steps", str(PP_STEPS), "--save-at", str(PP_SAVE_AT)])
+    assert proc.returncode == 0, "strategies worker failed (its output is above)"
+    with open(out) as f:
+        result = json.load(f)
+    refs = {}
+    for norm in ALL:
+        cfg = copy.deepcopy(load_config(config))
+        cfg.model.norm, cfg.model.branchnorm_max_norm_step = norm, 3
+        refs[norm] = reference_with_instruments(cfg, PP_STEPS)
+    logs = {norm: read_stability_csv(str(work / f"run-{norm}")) for norm in ALL}
+    return result, refs, logs
+
+
+@pytest.mark.parametrize("norm", ALL)
+def test_pp2_losses_equal_single_process_for_every_strategy(pp2_strategies, norm):
+    result, refs, _ = pp2_strategies
+    got, ref = result[norm]["uninterrupted"], refs[norm]
+    assert len(got["loss"]) == PP_STEPS
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert ref["grad_norm"][0] > 0.5  # clipping was active, so the norm matters
+
+
+def test_strategies_really_differ(pp2_strategies):
+    _, refs, _ = pp2_strategies
+    first_losses = {norm: refs[norm]["loss"][0] for norm in ALL}
+    # postln and branchnorm share weights; BranchNorm's normalised branch changes the first loss
+    assert len({round(v, 6) for v in first_losses.values()}) == len(ALL)
+
+
+@pytest.mark.parametrize("norm", ["postln", "subln", "branchnorm"])
+def test_pp2_instruments_equal_single_process(pp2_strategies, norm):
+    _, refs, logs = pp2_strategies
+    ref, logged = refs[norm], logs[norm][:PP_STEPS + 1]  # the uninterrupted run's rows
+    assert [row["step"] for row in logged] == list(range(PP_STEPS + 1))
+    assert logged[0]["delta_f"] == 0.0 and ref["delta_f"][0] == 0.0  # ‖ΔF‖ = 0 at θ_0
+    assert all(row["delta_f"] > 1e-3 for row in logged[1:])  # and positive after a step
+    assert [row["delta_f"] for row in logged] == pytest.approx(ref["delta_f"], rel=1e-4, abs=1e-6)
+    layers = [f"encoder_layers.{i}" for i in range(3)] + [f"decoder_layers.{i}" for i in range(3)]
+    for step, row in enumerate(logged):
+        assert sorted(row["ln_input"]) == sorted(layers)  # both stages' layers gathered to rank 0
+        assert row["ln_input"] == pytest.approx(ref["ln_input"][step], rel=1e-5)
+        if step:
+            assert sorted(row["grad_norm"]) == sorted(layers)
+            assert row["grad_norm"] == pytest.approx(ref["layer_grad"][step], rel=1e-4)
+
+
+def test_branchnorm_step_is_identical_on_every_stage_and_survives_resume(pp2_strategies):
+    result, refs, logs = pp2_strategies
+    run = result["branchnorm"]
+    assert run["branch_steps"] == [PP_STEPS]  # every block of rank 0's stage holds t = 4
+    assert run["resumed_from"] == PP_SAVE_AT and run["resumed_branch_steps"] == [PP_SAVE_AT]
+    assert run["resumed"]["loss"] == pytest.approx(run["uninterrupted"]["loss"][PP_SAVE_AT:], rel=1e-6)
+    # the resumed run kept measuring ‖ΔF‖ against step 0 (F(x, θ_0) was reloaded)
+    resumed_rows = logs["branchnorm"][PP_STEPS + 1:]
+    assert [row["step"] for row in resumed_rows] == list(range(PP_SAVE_AT + 1, PP_STEPS + 1))
+    assert [row["delta_f"] for row in resumed_rows] == pytest.approx(refs["branchnorm"]["delta_f"][PP_SAVE_AT + 1:],
+                                                                     rel=1e-4)

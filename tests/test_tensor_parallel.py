@@ -73,6 +73,15 @@ def test_tp2_checkpoint_resumes_with_identical_losses_under_dropout(tp2):
     assert r["resumed"]["loss"] == pytest.approx(r["uninterrupted"]["loss"][2:], rel=1e-6)
 
 
+def test_tp2_activation_checkpointing_recomputes_identical_dropout(tp2):
+    with_ckpt = tp2[0]["resume"]["uninterrupted"]
+    without = tp2[0]["dropout_no_checkpointing"]
+    assert with_ckpt["loss"] == pytest.approx(without["loss"], rel=1e-6)
+    assert with_ckpt["grad_norm"] == pytest.approx(without["grad_norm"], rel=1e-6)
+    # dropout really acted: the losses differ from the dropout-free training run
+    assert with_ckpt["loss"][0] != pytest.approx(tp2[0]["training"]["loss"][0], rel=1e-4)
+
+
 def test_pp2_tp2_equals_single_process(tiny_data, tmp_path):
     config = write_run_config(str(tmp_path / "pp2tp2.yaml"), str(tmp_path / "run"), tiny_data, model=TP_MODEL,
                               parallel={"pipeline_stages": 2, "tensor_parallel": 2},

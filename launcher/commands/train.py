@@ -1,4 +1,4 @@
-"""./run.sh train [CONFIG]: prepare the data, then launch the pipeline ranks."""
+"""./run.sh train [CONFIG]: prepare the data, then launch the pipeline ranks on this node."""
 from __future__ import annotations
 
 import argparse
@@ -6,9 +6,11 @@ import os
 import subprocess
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.config import load_config
+from launcher.config import ConfigError, load_config
 
-HELP = "prepare data and train a model (an existing run directory is resumed)"
+HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
+
+PREEMPTED_EXIT_CODE = 75  # launcher/train.py exits with it after a preemption checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,14 +18,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", help="override run_dir of the config")
 
 
+def gpu_count() -> int:
+    """GPUs DeepSpeed would use here; 0 when run.sh chose the CPU accelerator (no GPU tooling)."""
+    if os.environ.get("DS_ACCELERATOR", "") == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def run(args: argparse.Namespace) -> int:
     from data.prepare import prepare_data
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    p, world = cfg.parallel, cfg.world_size
+    layout = (f"pipeline_stages={p.pipeline_stages} × tensor_parallel={p.tensor_parallel} × "
+              f"data_parallel={p.data_parallel}")
+    gpus = gpu_count()
+    if gpus and world > gpus:
+        raise ConfigError(f"{args.config}: {layout} needs {world} ranks, one per GPU, but this node has "
+                          f"{gpus} GPUs; lower parallel.data_parallel, or run on several nodes with "
+                          f"./run.sh slurm {args.config} --nodes N --gpus-per-node {gpus}")
+    env = launch_env(world)
+    # Cores this process may use (a cgroup, taskset or SLURM allocation may grant fewer than the
+    # machine has), split evenly; unless the user set OMP_NUM_THREADS.
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // world)
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
     print(f"config {args.config} → run directory {cfg.run_dir}", flush=True)
     prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
-    cmd = deepspeed_command(cfg.world_size, "launcher/train.py",
+    cmd = deepspeed_command(world, "launcher/train.py",
                             ["--config", os.path.abspath(args.config), "--run-dir", os.path.abspath(cfg.run_dir)])
-    print(f"launching {cfg.world_size} ranks (pipeline_stages={cfg.parallel.pipeline_stages} × "
-          f"data_parallel={cfg.parallel.data_parallel})", flush=True)
-    return subprocess.call(cmd, env=launch_env(cfg.world_size), cwd=ROOT)
+    where = (f"{world} of {gpus} GPUs" if gpus else
+             f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
+    print(f"launching {world} ranks ({layout}) on {where}", flush=True)
+    if not gpus and world > cores:
+        print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
+    rc = subprocess.call(cmd, env=env, cwd=ROOT)
+    if rc == PREEMPTED_EXIT_CODE:
+        print("training was preempted after saving a checkpoint; run the same command to resume", flush=True)
+    return rc

@@ -9,7 +9,8 @@ Checks, written by rank 0 to `--out` (JSON):
   training:    the trainer with tp=2 (clipping on) for a few steps (compared with the
                single-process reference by the test);
   resume:      dropout 0.1 with activation checkpointing, checkpoint, resume in a fresh run
-               directory (the model-parallel RNG state must be restored).
+               directory (the model-parallel RNG state must be restored);
+  dropout_no_checkpointing: the same dropout run without checkpointing (same losses and norms).
 """
 from __future__ import annotations
 
@@ -60,10 +61,9 @@ def check_gradients(trainer: Trainer) -> dict:
     """The tp=2 module against the plain model on a real batch: loss and every gradient."""
     cfg, module, tp = trainer.cfg, trainer.module, trainer.module.tp
     plain = EncoderDecoder(cfg.model, seed=cfg.train.seed)
-    batch = trainer.stream.epoch_batches(0)[0]
-    from data.batching import collate
+    from data.batching import eval_batches
 
-    b = collate([trainer.train_data[int(i)] for i in batch])
+    b = eval_batches(trainer.train_data, cfg.data.max_tokens)[0]
     init = {name: rel(value, local_slice(name, plain.state_dict()[name], tp))
             for name, value in plain_state_dict(cfg.model, module.state_dict()).items()}
 
@@ -94,9 +94,11 @@ def main() -> None:
 
     cfg = load_config(args.config)
     data_dir = os.path.join(cfg.run_dir, "data")
-    trainer = Trainer(cfg, max_steps=args.steps)
-    results = {"vocab_loss": check_vocab_loss(trainer.module.tp), "gradients": check_gradients(trainer)}
-    results["training"] = record_steps(trainer, args.steps, None)
+    # The gradient check runs a forward/backward outside the engine: give it its own trainer so the
+    # engine that trains below starts untouched.
+    probe = Trainer(cfg, max_steps=args.steps)
+    results = {"vocab_loss": check_vocab_loss(probe.module.tp), "gradients": check_gradients(probe)}
+    results["training"] = record_steps(Trainer(cfg, max_steps=args.steps), args.steps, None)
 
     drop = copy.deepcopy(cfg)
     drop.run_dir = cfg.run_dir + "-dropout"
@@ -104,6 +106,14 @@ def main() -> None:
     drop.parallel.activation_checkpoint_interval = 1
     fresh_run_dir(drop.run_dir, data_dir)
     results["resume"] = train_and_resume(drop, args.steps, 2)
+
+    # The same dropout run without activation checkpointing: recomputation under checkpointing must
+    # replay the same dropout masks (default and model-parallel RNG), or the gradients would differ.
+    no_ckpt = copy.deepcopy(drop)
+    no_ckpt.run_dir = cfg.run_dir + "-dropout-nockpt"
+    no_ckpt.parallel.activation_checkpoint_interval = 0
+    fresh_run_dir(no_ckpt.run_dir, data_dir)
+    results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps, None)
 
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:

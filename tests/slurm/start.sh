@@ -70,8 +70,9 @@ MinJobAge=600
 KillWait=10
 InactiveLimit=0
 CONF
+  # Two CPUs per node, so that two single-CPU-per-rank jobs can run side by side.
   for i in "${!NODES[@]}"; do
-    echo "NodeName=${NODES[$i]} NodeAddr=127.0.0.$((11 + i)) Port=$(free_port) CPUs=1 RealMemory=4000 State=UNKNOWN"
+    echo "NodeName=${NODES[$i]} NodeAddr=127.0.0.$((11 + i)) Port=$(free_port) CPUs=2 RealMemory=4000 State=UNKNOWN"
   done
   echo "PartitionName=test Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
 } >"$STATE/slurm.conf"

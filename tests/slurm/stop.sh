@@ -5,6 +5,16 @@
 #   tests/slurm/stop.sh STATE_DIR
 set -uo pipefail
 STATE=${1:?usage: stop.sh STATE_DIR}
+# Jobs first (by id, through SLURM): their processes would outlive the daemons.
+if [ -f "$STATE/slurm.conf" ] && [ -s "$STATE/pids" ]; then
+  export SLURM_CONF="$STATE/slurm.conf"
+  jobs=$(squeue -h -o %i 2>/dev/null || true)
+  if [ -n "$jobs" ]; then
+    # shellcheck disable=SC2086
+    scancel $jobs 2>/dev/null || true
+    for _ in $(seq 60); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.5; done
+  fi
+fi
 if [ -f "$STATE/pids" ]; then
   # slurmd first, slurmctld next, munged last: the reverse of the start order.
   mapfile -t pids < <(tac "$STATE/pids")

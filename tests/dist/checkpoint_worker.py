@@ -1,0 +1,73 @@
+"""Runs under the deepspeed launcher (2 ranks): checkpoint conversion checks in one launch.
+
+1. Train the config's layout (pp=2 × dp=1) for `--steps` steps, checkpointing after `--save-at`
+   steps and at the end; record the losses.
+2. Run the trained pipeline on the first dev batch and keep its logits (last stage).
+3. Rank 0 reshards the `--save-at` checkpoint to pp=1 × dp=2 with `./run.sh convert reshard`;
+   both ranks resume it with the real Trainer in that layout and record the remaining losses.
+Rank 0 writes the losses to `--out` (JSON), the last stage the logits to `--out`.logits.pt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from data.batching import eval_batches  # noqa: E402
+from launcher.cli import main as cli  # noqa: E402
+from launcher.config import load_config  # noqa: E402
+from launcher.train import Trainer  # noqa: E402
+
+
+def losses(trainer: Trainer, steps: int, save_at: int | None = None) -> list[float]:
+    out = []
+    while trainer.step < steps:
+        out.append(trainer.train_step()["loss"])
+        if trainer.step == save_at:
+            trainer.save()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--save-at", type=int, default=2)
+    parser.add_argument("--local_rank", type=int)
+    args = parser.parse_args()
+
+    cfg = load_config(args.config)
+    first = Trainer(cfg, max_steps=args.steps)
+    result = {"uninterrupted": losses(first, args.steps, args.save_at)}
+    first.save()
+
+    batch = eval_batches(first.valid_data, cfg.data.max_tokens)[0]
+    item = ((batch["src"], batch["tgt_in"]), (batch["tgt_out"], torch.tensor(1.0)))
+    loss, logits = first.engine.eval_batch(iter([item]), return_logits=True, num_micro_batches=1)
+    if first.engine.is_last_stage():
+        torch.save({"src": batch["src"], "tgt_in": batch["tgt_in"], "tgt_out": batch["tgt_out"],
+                    "logits": logits.detach(), "loss": float(loss)}, args.out + ".logits.pt")
+
+    resharded = cfg.run_dir + "-pp1dp2"
+    if torch.distributed.get_rank() == 0:
+        code = cli(["convert", "reshard", os.path.join(cfg.run_dir, "checkpoints", f"step{args.save_at}"),
+                    resharded, "--pipeline-stages", "1", "--data-parallel", "2"])
+        assert code == 0, "convert reshard failed"
+    torch.distributed.barrier()
+    second = Trainer(load_config(os.path.join(resharded, "config.yaml")), max_steps=args.steps)
+    result["resumed_from"] = second.step
+    result["resumed_layout"] = [second.engine.num_stages, second.dp, second.cfg.train.micro_batches]
+    result["resumed"] = losses(second, args.steps)
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Checkpoint conversion and evaluation on a real pipeline checkpoint.
+
+One launch of 2 ranks (tests/dist/checkpoint_worker.py) trains pp=2, reshards a checkpoint to
+pp=1 × dp=2 through DeepSpeed's universal checkpoint and resumes it there. Here: the resumed
+losses equal the uninterrupted run's; the consolidated single file reproduces the pipeline's
+logits; translate and eval run on the trained model and eval's scores are sacreBLEU's.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import sacrebleu
+import torch
+
+from launcher.cli import main as cli
+from parallel.checkpoints import CheckpointError, load_model
+from tests.conftest import launch, write_run_config
+
+STEPS, SAVE_AT = 4, 2
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    work = tmp_path_factory.mktemp("ckpt")
+    run_dir = str(work / "run")
+    config = write_run_config(str(work / "pp2.yaml"), run_dir, tiny_data,
+                              train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.002, "save_interval": 1000})
+    out = str(work / "result.json")
+    proc = launch(2, "tests/dist/checkpoint_worker.py",
+                  ["--config", config, "--out", out, "--steps", str(STEPS), "--save-at", str(SAVE_AT)])
+    assert proc.returncode == 0, "checkpoint worker failed (its output is above)"
+    with open(out) as f:
+        result = json.load(f)
+    return {"run_dir": run_dir, "work": work, "result": result,
+            "logits": torch.load(out + ".logits.pt", weights_only=True)}
+
+
+def test_resharded_pp2_to_pp1_dp2_resumes_with_identical_losses(trained):
+    r = trained["result"]
+    assert r["resumed_from"] == SAVE_AT
+    assert r["resumed_layout"] == [1, 2, 1]  # 1 stage, 2 replicas, global batch kept (2 × 1 micro-batches)
+    assert len(r["resumed"]) == STEPS - SAVE_AT
+    assert r["resumed"] == pytest.approx(r["uninterrupted"][SAVE_AT:], rel=1e-5)
+    assert r["uninterrupted"][-1] < r["uninterrupted"][0]  # the weights and Adam state really moved
+
+
+def test_consolidated_file_reproduces_the_pipeline_logits(trained, tmp_path):
+    out = str(tmp_path / "model.pt")
+    assert cli(["convert", "consolidate", trained["run_dir"], "--out", out]) == 0
+    package = torch.load(out, weights_only=True)  # plain tensors and values only
+    assert package["source"]["step"] == STEPS and package["source"]["pipeline_stages"] == 2
+    loaded = load_model(out)
+    ref = trained["logits"]
+    with torch.no_grad():
+        logits = loaded.model(ref["src"], ref["tgt_in"])
+    assert logits.shape == ref["logits"].shape
+    diff = (logits - ref["logits"]).abs().max().item()
+    assert diff <= 1e-5, f"consolidated model's logits differ from the pipeline's by {diff}"
+    # the same model straight from the run directory's checkpoint, without a file
+    direct = load_model(trained["run_dir"]).model.state_dict()
+    for name, value in loaded.model.state_dict().items():
+        assert torch.equal(direct[name], value), name
+
+
+def test_files_that_need_code_to_load_are_refused(tmp_path):
+    path = str(tmp_path / "evil.pt")
+    torch.save({"format": "deepnet-consolidated-1", "payload": shutil.rmtree}, path)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_model(path)
+    with pytest.raises(CheckpointError, match="no such model file"):
+        load_model(str(tmp_path / "missing.pt"))
+
+
+def test_reshard_refuses_an_impossible_layout(trained, tmp_path):
+    assert cli(["convert", "reshard", trained["run_dir"], str(tmp_path / "x"), "--pipeline-stages", "1",
+                "--data-parallel", "3"]) == 2  # 3 does not divide the global batch of 2 micro-batches
+    assert not os.path.exists(tmp_path / "x" / "checkpoints")
+
+
+def test_translate_keeps_lines_and_refuses_unknown_languages(trained, tmp_path, capsys):
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("Save and continue editing\n\nDelete\n", encoding="utf-8")
+    assert cli(["translate", trained["run_dir"], "--to", "de", "-i", str(src), "-o", str(out), "--beam", "2"]) == 0
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
+    assert "sentences/s" in capsys.readouterr().err
+    assert cli(["translate", trained["run_dir"], "--to", "xx", "-i", str(src)]) == 2
+    assert "xx" in capsys.readouterr().err
+
+
+def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, monkeypatch, capsys):
+    from data.corpus import list_pairs, read_direction
+    from data.prepare import corpus_path, load_manifest
+    from sacrebleu.tokenizers import tokenizer_spm
+
+    # spBLEU: absent FLORES model → a message naming the path; present → a column (a stand-in file).
+    monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(tmp_path / "sacrebleu"))
+    out_dir = tmp_path / "eval"
+    args = ["eval", trained["run_dir"], "--splits", "test", "--max-sentences", "6", "--greedy",
+            "--out-dir", str(out_dir)]
+    assert cli(args) == 0
+    printed = capsys.readouterr().out
+    assert os.path.join(str(tmp_path / "sacrebleu"), "models", "flores200sacrebleuspm") in printed
+    assert "tok:13a" in printed and "case:mixed" in printed
+
+    report = json.loads((out_dir / "eval.json").read_text())["test"]
+    data_dir = os.path.join(trained["run_dir"], "data")
+    pairs = {d: p for p in list_pairs(corpus_path(data_dir, load_manifest(data_dir))) for d in p.directions()}
+    rows = {r["direction"]: r for r in report["rows"]}
+    directions = [d for d in rows if "average" not in d]
+    assert sorted(directions) == ["de-en", "en-de", "en-fr", "fr-en"]
+    for direction in directions:
+        refs = [t for _, t in read_direction(pairs[direction], "test", direction)][:6]
+        hyps = (out_dir / "test" / f"{direction}.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+        assert len(hyps) == rows[direction]["sentences"] == 6
+        assert rows[direction]["BLEU"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs], tokenize="13a").score)
+        assert rows[direction]["chrF"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score)
+    assert rows["X→En average"]["chrF"] == pytest.approx((rows["de-en"]["chrF"] + rows["fr-en"]["chrF"]) / 2)
+    assert rows["En→X average"]["BLEU"] == pytest.approx((rows["en-de"]["BLEU"] + rows["en-fr"]["BLEU"]) / 2)
+    assert rows["all average"]["sentences"] == 24
+    table = (out_dir / "test.md").read_text()
+    assert "| X→En average |" in table and "nrefs:1|case:mixed|eff:no|tok:13a" in table
+    assert (out_dir / "test.csv").read_text().startswith("direction,sentences,BLEU,chrF")
+
+    models = tmp_path / "sacrebleu" / "models"
+    models.mkdir(parents=True)
+    shutil.copy(os.path.join(data_dir, "spm.model"), models / "flores200sacrebleuspm")
+    assert cli([*args, "--directions", "de-en"]) == 0
+    row = json.loads((out_dir / "eval.json").read_text())["test"]["rows"][0]
+    hyps = (out_dir / "test" / "de-en.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+    refs = [t for _, t in read_direction(pairs["de-en"], "test", "de-en")][:6]
+    expected = sacrebleu.metrics.BLEU(tokenize="flores200").corpus_score(hyps, [refs]).score
+    assert row["spBLEU"] == pytest.approx(expected)
+
+
+def test_bleu_pins_13a_where_sacrebleu_would_switch_tokenizer():
+    from launcher.commands.eval import metrics, score
+
+    chosen, _ = metrics("none")
+    hyp, ref = ["我们 今天 去 公园 玩"], ["我们今天去公园玩了"]
+    pinned = score(chosen, hyp, ref)["BLEU"]
+    assert pinned == pytest.approx(sacrebleu.metrics.BLEU(tokenize="13a").corpus_score(hyp, [ref]).score)
+    assert pinned != pytest.approx(sacrebleu.metrics.BLEU(trg_lang="zh").corpus_score(hyp, [ref]).score)
+    hyp, ref = ["The cat sat on the mat today ."], ["The cat sat on the mat ."]
+    assert score(chosen, hyp, ref)["BLEU"] == pytest.approx(sacrebleu.corpus_bleu(hyp, [ref]).score)
+    assert score(chosen, hyp, ref)["BLEU"] > 50
