@@ -30,6 +30,7 @@ SHARD_DIM = {
     "q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0,
     "v_proj.weight": 0, "v_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None,
     "fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None, "embed.weight": 0,
+    "inner_norm.weight": 0, "inner_norm.bias": 0,
 }
 
 
@@ -170,6 +171,32 @@ class VocabParallelSharedEmbedding(SharedEmbedding):
         return F.linear(h, self.weight)
 
 
+class TensorParallelLayerNorm(nn.Module):
+    """LayerNorm over a feature dimension split across tensor-parallel ranks (Sub-LN's inner norms
+    sit on the sharded attention heads and FFN columns). Mean and variance are all-reduced with
+    torch.distributed.nn's differentiable all-reduce: every rank's outputs depend on every rank's
+    inputs through the statistics, so their gradients must be summed too (megatron's
+    reduce_from_tensor_model_parallel_region, identity in backward, would drop those terms)."""
+
+    def __init__(self, norm: nn.LayerNorm, tp: TensorParallel):
+        super().__init__()
+        self.full_dim = norm.normalized_shape[-1]
+        self.eps = norm.eps
+        self.group = tp.group
+        self.weight = nn.Parameter(tp.shard(norm.weight.detach(), 0))
+        self.bias = nn.Parameter(tp.shard(norm.bias.detach(), 0))
+        _mark_sharded(self.weight, 0)
+        _mark_sharded(self.bias, 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_reduce
+
+        mean = all_reduce(x.sum(dim=-1, keepdim=True), group=self.group) / self.full_dim
+        centred = x - mean
+        var = all_reduce((centred * centred).sum(dim=-1, keepdim=True), group=self.group) / self.full_dim
+        return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
+
+
 def _vocab_parallel_embedding(embed: SharedEmbedding, tp: TensorParallel) -> SharedEmbedding:
     _, tensor_parallel, _ = megatron()
     vocab, d = embed.weight.shape
@@ -196,10 +223,14 @@ def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
                 raise ValueError(f"model.heads={sub.heads} is not divisible by tensor_parallel={tp.size}")
             sub.q_proj, sub.k_proj, sub.v_proj = (_column(lin, tp) for lin in (sub.q_proj, sub.k_proj, sub.v_proj))
             sub.out_proj = _row(sub.out_proj, tp)
+            if isinstance(getattr(sub, "inner_norm", None), nn.LayerNorm):
+                sub.inner_norm = TensorParallelLayerNorm(sub.inner_norm, tp)
             sub.heads //= tp.size
             sub.__class__ = TensorParallelAttention
         elif isinstance(sub, FeedForward):
             sub.fc1, sub.fc2 = _column(sub.fc1, tp), _row(sub.fc2, tp)
+            if isinstance(getattr(sub, "inner_norm", None), nn.LayerNorm):
+                sub.inner_norm = TensorParallelLayerNorm(sub.inner_norm, tp)
             sub.__class__ = TensorParallelFeedForward
         elif isinstance(sub, SharedEmbedding):
             _vocab_parallel_embedding(sub, tp)

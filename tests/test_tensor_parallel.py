@@ -45,8 +45,9 @@ def test_sharded_init_equals_unsharded_slices(tp2):
     assert max(init.values()) == 0.0
 
 
-def test_tp2_loss_and_every_gradient_equal_tp1(tp2):
-    g = tp2[0]["gradients"]
+@pytest.mark.parametrize("check", ["gradients", "subln_gradients"])
+def test_tp2_loss_and_every_gradient_equal_tp1(tp2, check):
+    g = tp2[0][check]
     assert g["loss"] == pytest.approx(g["ref"], rel=1e-6)
     assert g["n_params"] == g["n_plain"]
     # The key bias has an exactly-zero true gradient (softmax ignores q·b_k): compare it in

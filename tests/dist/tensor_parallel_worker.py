@@ -5,6 +5,7 @@ Checks, written by rank 0 to `--out` (JSON):
                F.cross_entropy(label_smoothing) on the full logits;
   gradients:   one forward/backward of the tp=2 model against the plain model built from the same
                seed: loss and every gradient (shards compared with the full gradient's slice);
+               again for Sub-LN (inner LayerNorms over sharded features) as subln_gradients;
   sharded_init: the tp=2 parameters equal the slices of the plain model's at initialisation;
   training:    the trainer with tp=2 (clipping on) for a few steps (compared with the
                single-process reference by the test);
@@ -99,6 +100,13 @@ def main() -> None:
     probe = Trainer(cfg, max_steps=args.steps)
     results = {"vocab_loss": check_vocab_loss(probe.module.tp), "gradients": check_gradients(probe)}
     results["training"] = record_steps(Trainer(cfg, max_steps=args.steps), args.steps, None)
+
+    # Sub-LN's inner LayerNorms sit on sharded features: their statistics are all-reduced.
+    subln = copy.deepcopy(cfg)
+    subln.run_dir = cfg.run_dir + "-subln"
+    subln.model.norm = "subln"
+    fresh_run_dir(subln.run_dir, data_dir)
+    results["subln_gradients"] = check_gradients(Trainer(subln, max_steps=args.steps))
 
     drop = copy.deepcopy(cfg)
     drop.run_dir = cfg.run_dir + "-dropout"
