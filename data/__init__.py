@@ -9,7 +9,13 @@ from data.batching import BatchStream, collate, epoch_stats, eval_batches
 from data.config import DataConfig
 from data.dataset import PairDataset
 from data.errors import DataError
-from data.prepare import corpus_path, load_manifest, prepare_data, split_prefix, spm_model_path
+from data.prepare import (
+    corpus_path,
+    load_manifest,
+    prepare_data,
+    split_prefix,
+    spm_model_path,
+)
 from data.spm import Tokenizer, language_tag, load_tokenizer
 
 __all__ = [

@@ -223,7 +223,7 @@ def read_pair(pair: CorpusPair, split: str) -> Iterator[tuple[str, str]]:
     files = pair.files.get(split)
     if files is None:
         return
-    (lines, offsets), *_ = count_pair_lines(pair, split)
+    (lines, _), *_ = count_pair_lines(pair, split)
     raw = [read_lines(path, 0, lines) for path in files]
     rows = zip(*raw) if len(files) == 2 else (split_tsv(files[0], i + 1, x) for i, x in enumerate(raw[0]))
     for number, (left, right) in enumerate(rows, start=1):

@@ -155,8 +155,7 @@ def split_by_english(
 
 def _write_lines(path: str, lines: list[str]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as handle:
-        for line in lines:
-            handle.write(line + "\n")
+        handle.writelines(line + "\n" for line in lines)
 
 
 def build_gettext_corpus(

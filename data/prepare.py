@@ -36,7 +36,13 @@ from data.errors import DataError
 from data.gettext_corpus import build_django_corpus, build_gettext_corpus, find_catalogs
 from data.shards import output_prefix, plan_shards, shard_from_dict
 from data.spm import load_tokenizer, train_spm, write_sample
-from data.validate import build_report, check_done, check_shard, deduplicate, write_report
+from data.validate import (
+    build_report,
+    check_done,
+    check_shard,
+    deduplicate,
+    write_report,
+)
 from data.workers import run_tasks, worker_count
 
 MANIFEST = "manifest.json"
@@ -184,7 +190,7 @@ def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
         shutil.rmtree(folder, ignore_errors=True)
     for name in os.listdir(out_dir):
         # Earlier outputs, also those of the single-file layout (train.src.bin, train.dir.npy).
-        if name.startswith(tuple(SPLITS)) or name.startswith(("spm.", "validation_report.")):
+        if name.startswith((*SPLITS, "spm.", "validation_report.")):
             os.remove(os.path.join(out_dir, name))
     os.makedirs(work)
     _write_json(path, state)
@@ -284,7 +290,7 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     tags = [[tokenizer.tag_id(lang) for lang in pair.langs] for pair in pairs]
     manifest_shards = {}
     for split in SPLITS:
-        index = _split_index(pairs, tags, directions, shards, stats, split, out_dir)
+        index = split_index(pairs, tags, directions, shards, stats, split, out_dir)
         _write_json(split_prefix(out_dir, split) + ".shards.json", index)
         manifest_shards[split] = [s["path"][len("shards/"):] for p in index["pairs"] for s in p["shards"]]
     counts = {split: dict.fromkeys(directions, 0) for split in SPLITS}
@@ -327,8 +333,9 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     return manifest
 
 
-def _split_index(pairs, tags, directions, shards, stats, split, out_dir) -> dict:
-    """What :class:`data.dataset.PairDataset` reads: per pair its tags and non-empty shards."""
+def split_index(pairs, tags, directions, shards, stats, split, out_dir) -> dict:
+    """What :class:`data.dataset.PairDataset` reads (``<split>.shards.json``): per pair its tag
+    ids and non-empty shards, paths relative to ``out_dir``."""
     entries = [{"name": pair.name, "langs": list(pair.langs), "tags": tags[k], "shards": []}
                for k, pair in enumerate(pairs)]
     for shard in shards:

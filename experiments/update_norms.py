@@ -43,7 +43,7 @@ PART2_STEPS = 400
 PART2_ARMS = (("postln", 0), ("deepnorm", 0), ("postln", 100))
 """(strategy, warm-up steps): Post-LN and DeepNorm without warm-up, and Post-LN with warm-up
 (whether warm-up alone rescues Post-LN at this depth)."""
-PART2_EVAL_EVERY = 50
+PART2_EVAL_EVERY = 100
 LR = 5e-4
 MAX_TOKENS = 256
 BRANCHNORM_T = 100

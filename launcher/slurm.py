@@ -1,4 +1,4 @@
-"""SLURM batch jobs for multi-node training: the sbatch script, and the job's data step.
+"""SLURM batch jobs for multi-node training: the sbatch script and the config it reads.
 
 The script runs one rank per device as an `srun` task (parallel/engine.py maps SLURM_PROCID,
 SLURM_LOCALID and the step's task count to RANK, LOCAL_RANK and WORLD_SIZE), rendezvous on the
@@ -6,12 +6,9 @@ job's first node, and handles preemption: SLURM signals the batch shell `signal_
 before the time limit, the shell forwards the signal to srun, which passes it to every rank; the
 trainers save a checkpoint together and exit, and the shell requeues the job, whose next start
 resumes from that checkpoint (launcher/train.py).
-
-    python -m launcher.slurm prepare --config C --run-dir D   # the job's first step
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -62,9 +59,13 @@ def resolved_config_text(cfg: RunConfig, source: str, cluster: str | None) -> st
     """The run config as the job will read it: every key explicit, the cluster layout applied."""
     values = json.loads(json.dumps(to_dict(cfg)))  # tuples → lists, for YAML
     values.pop("clusters", None)
+    corpus = values["data"]["corpus"]
+    if ":" not in corpus and not os.path.isabs(corpus):  # relative to the repo, where run.sh runs
+        values["data"]["corpus"] = os.path.abspath(corpus)
     origin = f"{source}" + (f" with clusters.{cluster}" if cluster else "")
-    header = (f"# Resolved from {origin} by ./run.sh slurm. The job reads this copy, so editing the\n"
-              f"# original does not change a running or requeued job; regenerate to change it.\n")
+    header = (f"# Resolved from {origin} by ./run.sh slurm.\n"
+              "# The job reads this copy: editing the original does not change a running or requeued\n"
+              "# job. Regenerate to change it.\n")
     return header + yaml.safe_dump(values, sort_keys=False)
 
 
@@ -74,38 +75,38 @@ def render_sbatch(spec: JobSpec) -> str:
     gpu = spec.gpus_per_node > 0
     ranks = spec.nodes * spec.tasks_per_node
     logs = os.path.join(spec.run_dir, "slurm", "logs")
-    sb = [f"#SBATCH --job-name={spec.name}",
-          f"#SBATCH --nodes={spec.nodes}",
-          f"#SBATCH --ntasks-per-node={spec.tasks_per_node}" + ("   # one rank per GPU" if gpu else "   # ranks per node")]
+    options = [(f"--job-name={spec.name}", ""), (f"--nodes={spec.nodes}", ""),
+               (f"--ntasks-per-node={spec.tasks_per_node}", "one rank per GPU" if gpu else "ranks per node")]
     if gpu:
-        sb.append(f"#SBATCH --gpus-per-node={spec.gpus_per_node}")
+        options.append((f"--gpus-per-node={spec.gpus_per_node}", ""))
     if spec.cpus_per_task:
-        sb.append(f"#SBATCH --cpus-per-task={spec.cpus_per_task}")
-    if spec.partition:
-        sb.append(f"#SBATCH --partition={spec.partition}")
-    if spec.account:
-        sb.append(f"#SBATCH --account={spec.account}")
-    if spec.time:
-        sb.append(f"#SBATCH --time={spec.time}")
-    sb += [f"#SBATCH --output={logs}/%x-%j.out   # one log per job id, stdout and stderr",
-           "#SBATCH --open-mode=append            # a requeued job appends to its log",
-           "#SBATCH --requeue",
-           f"#SBATCH --signal=B:USR1@{spec.signal_before}        # checkpoint and requeue "
-           f"{spec.signal_before} s before the time limit"]
+        options.append((f"--cpus-per-task={spec.cpus_per_task}", "CPUs per rank"))
+    for flag, value in (("partition", spec.partition), ("account", spec.account), ("time", spec.time)):
+        if value:
+            options.append((f"--{flag}={value}", ""))
+    options += [(f"--output={logs}/%x-%j.out", "one log per job id: stdout and stderr"),
+                ("--open-mode=append", "a requeued job appends to its log"),
+                ("--requeue", "may be requeued (after preemption)"),
+                (f"--signal=B:USR1@{spec.signal_before}",
+                 f"{spec.signal_before} s before the time limit: checkpoint, requeue")]
+    width = max(len(option) for option, _ in options) + 2
+    sb = [f"#SBATCH {option:<{width}}# {note}" if note else f"#SBATCH {option}" for option, note in options]
     if gpu:
-        backend = f"""# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
+        backend = """# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
 export DS_ACCELERATOR=cuda
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed rank aborts collectives instead of hanging them
 export NCCL_DEBUG=WARN
 # Site-specific, uncomment and set for this cluster's fabric:
 # export NCCL_SOCKET_IFNAME=ib0            # interface for NCCL's bootstrap
 # export NCCL_IB_HCA=mlx5                  # InfiniBand adapters to use
-export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}"""
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"""
     else:
         backend = """# CPUs: gloo over TCP. Each rank computes with its task's CPUs.
 export DS_ACCELERATOR=cpu
 # export GLOO_SOCKET_IFNAME=eth0           # site-specific: the interface gloo should use
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"""
+    # Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: pass it on.
+    cpus = f" --cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else ""
     return f"""#!/bin/bash
 # deepnet-trainer: {spec.name} on {spec.nodes} node(s) × {spec.tasks_per_node} rank(s)
 #   = {ranks} ranks ({spec.layout}), {"NCCL on GPUs" if gpu else "gloo on CPUs"}
@@ -145,12 +146,16 @@ on_preempt() {{
 trap on_preempt USR1
 
 # 1. Data: tokenise and binarise once into the run directory (a no-op when it is up to date).
-srun --nodes=1 --ntasks=1 "$PYTHON" -u -m launcher.slurm prepare --config "$CONFIG" --run-dir "$RUN_DIR" || exit 1
+srun --nodes=1 --ntasks=1{cpus} \\
+  "$PYTHON" -u -m launcher.cli prepare "$CONFIG" --run-dir "$RUN_DIR" --no-progress || exit 1
 
 # 2. Training: one task per rank; a checkpoint in $RUN_DIR/checkpoints is resumed.
 rm -f "$RUN_DIR/{PREEMPTED_MARKER}"
 if [ "$preempted" = 0 ]; then
-  srun --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node} --kill-on-bad-exit=1 \\
+  # --kill-on-bad-exit: one failed rank ends the others instead of leaving them blocked in a
+  # collective. (After a preemption checkpoint the ranks exit with code 75 together; srun may
+  # report the last ones as terminated.)
+  srun --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node}{cpus} --kill-on-bad-exit=1 \\
     "$PYTHON" -u launcher/train.py --config "$CONFIG" --run-dir "$RUN_DIR" &
   train_pid=$!
   wait "$train_pid"; rc=$?
@@ -187,21 +192,3 @@ def write_job(spec: JobSpec, config_text: str) -> str:
     os.chmod(path, 0o755)
     return path
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`prepare`: the job's data step, run once on one node before the ranks start."""
-    parser = argparse.ArgumentParser(prog="python -m launcher.slurm", description=main.__doc__)
-    parser.add_argument("step", choices=["prepare"])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--run-dir", required=True)
-    args = parser.parse_args(argv)
-    from data.prepare import prepare_data
-    from launcher.config import load_config
-
-    cfg = load_config(args.config, {"run_dir": args.run_dir})
-    prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -108,8 +108,8 @@ class IncrementalDecoder:
             _map_tensors(cache, pick, skip=() if memory else ("cross",))
 
 
-def _banned_mask(vocab: int, banned: Sequence[int]) -> torch.Tensor:
-    mask = torch.zeros(vocab, dtype=torch.bool)
+def _banned_mask(vocab: int, banned: Sequence[int], device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
     mask[list(banned)] = True
     return mask
 
@@ -126,12 +126,12 @@ def _only_eos(lprobs: torch.Tensor, rows: torch.Tensor, eos: int) -> None:
 def greedy_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tensor, *, bos: int, eos: int,
                   banned: Sequence[int] = (), lenpen: float = 1.0) -> list[Hypothesis]:
     """Most probable next token at every step; one hypothesis per source row of `src` [B, S]."""
-    batch = src.size(0)
+    batch, device = src.size(0), src.device
     dec = IncrementalDecoder(model, src)
-    ban = _banned_mask(model.cfg.vocab_size, banned)
-    alive = torch.arange(batch)
-    tokens = torch.full((batch, 1), bos, dtype=torch.long)
-    scores = torch.zeros(batch, 0)
+    ban = _banned_mask(model.cfg.vocab_size, banned, device)
+    alive = torch.arange(batch, device=device)
+    tokens = torch.full((batch, 1), bos, dtype=torch.long, device=device)
+    scores = torch.zeros(batch, 0, device=device)
     out: list[Hypothesis | None] = [None] * batch
     for t in range(int(max_len.max()) + 1):
         lprobs = dec.step(tokens[:, -1])
@@ -158,15 +158,15 @@ def greedy_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tenso
 def beam_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tensor, *, beam: int, bos: int,
                 eos: int, banned: Sequence[int] = (), lenpen: float = 1.0) -> list[list[Hypothesis]]:
     """Beam search over the rows of `src` [B, S]; per row, the finished hypotheses best first."""
-    batch, k = src.size(0), beam
+    batch, k, device = src.size(0), beam, src.device
     vocab = model.cfg.vocab_size
     dec = IncrementalDecoder(model, src)
-    dec.reorder(torch.arange(batch).repeat_interleave(k))
-    ban = _banned_mask(vocab, banned)
-    alive = torch.arange(batch)                      # sentence of each group of k rows
-    tokens = torch.full((batch * k, 1), bos, dtype=torch.long)
-    token_scores = torch.zeros(batch * k, 0)
-    scores = torch.full((batch, k), float("-inf"))
+    dec.reorder(torch.arange(batch, device=device).repeat_interleave(k))
+    ban = _banned_mask(vocab, banned, device)
+    alive = torch.arange(batch, device=device)       # sentence of each group of k rows
+    tokens = torch.full((batch * k, 1), bos, dtype=torch.long, device=device)
+    token_scores = torch.zeros(batch * k, 0, device=device)
+    scores = torch.full((batch, k), float("-inf"), device=device)
     scores[:, 0] = 0.0                               # all beams start equal: keep one of them
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     for t in range(int(max_len.max()) + 1):
@@ -189,7 +189,7 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tensor,
                 history = token_scores[row].tolist() + [float(lprobs[row, eos])]
                 finished[sentence].append(Hypothesis(tokens[row, 1:].tolist(),
                                                      float(top_scores[i, j]) / (t + 1) ** lenpen, history))
-        done = at_limit | torch.tensor([len(finished[int(s)]) >= k for s in alive])
+        done = at_limit | torch.tensor([len(finished[s]) >= k for s in alive.tolist()], device=device)
         if done.all():
             break
 
@@ -200,7 +200,7 @@ def beam_search(model: EncoderDecoder, src: torch.Tensor, max_len: torch.Tensor,
         next_tok = top_tok.gather(1, order)
         next_scores = next_scores.masked_fill(next_tok == eos, float("-inf"))
         keep = ~done
-        origin = (torch.arange(n)[:, None] * k + next_beam)[keep].flatten()
+        origin = (torch.arange(n, device=device)[:, None] * k + next_beam)[keep].flatten()
         new_tok = next_tok[keep].flatten()
         tokens = torch.cat([tokens[origin], new_tok[:, None]], dim=1)
         token_scores = torch.cat([token_scores[origin], lprobs[origin, new_tok][:, None]], dim=1)
@@ -238,6 +238,7 @@ def generate(model: EncoderDecoder, sources: Sequence[Sequence[int]], options: D
     """
     options.validate()
     pad, limit = model.cfg.pad_id, model.cfg.max_positions
+    device = next(model.parameters()).device
     for i, source in enumerate(sources):
         if not 0 < len(source) <= limit:
             raise ValueError(f"source {i} has {len(source)} tokens; it must have 1 to "
@@ -253,7 +254,8 @@ def generate(model: EncoderDecoder, sources: Sequence[Sequence[int]], options: D
                 src = torch.full((len(batch), width), pad, dtype=torch.long)
                 for row, i in enumerate(batch):
                     src[row, :len(sources[i])] = torch.as_tensor(sources[i], dtype=torch.long)
-                max_len = max_lengths(torch.tensor([len(sources[i]) for i in batch]), options, limit)
+                src = src.to(device)
+                max_len = max_lengths(torch.tensor([len(sources[i]) for i in batch]), options, limit).to(device)
                 if options.beam == 1:
                     hyps = greedy_search(model, src, max_len, bos=bos, eos=eos, banned=banned,
                                          lenpen=options.lenpen)

@@ -35,20 +35,30 @@ def layer_matmul_params(cfg: ModelConfig) -> dict[str, int]:
             "decoder_source": 2 * d * d}
 
 
+def layer_forward_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: float) -> float:
+    """Forward FLOPs of one plan layer (model/transformer.py `layer_plan` kinds) for one pair
+    (multiply-add = 2 FLOPs). Embeddings and final LayerNorms count 0: no matmul."""
+    d = cfg.d_model
+    p = layer_matmul_params(cfg)
+    s, t = float(src_len), float(tgt_len)
+    if kind == "encoder":
+        return 2 * p["encoder"] * s + 4 * d * s * s  # Q·Kᵀ and P·V: 2·d FLOPs per pair each
+    if kind == "decoder":
+        return 2 * (p["decoder_target"] * t + p["decoder_source"] * s) + 4 * d * (t * t + t * s)
+    if kind == "output":
+        return 2 * cfg.vocab_size * d * t
+    return 0.0
+
+
 def forward_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, layers_only: bool = False) -> float:
-    """Forward FLOPs of one sequence pair (multiply-add = 2 FLOPs).
+    """Forward FLOPs of one sequence pair: the sum of `layer_forward_flops` over the model.
 
     `layers_only` leaves out the output projection: what activation checkpointing recomputes
     (DeepSpeed checkpoints encoder and decoder layers, never the embedding or the output layer).
     """
-    n, m, d, v = cfg.encoder_layers, cfg.decoder_layers, cfg.d_model, cfg.vocab_size
-    p = layer_matmul_params(cfg)
-    s, t = float(src_len), float(tgt_len)
-    weights = 2 * (n * p["encoder"] * s + m * p["decoder_target"] * t + m * p["decoder_source"] * s)
-    # Q·Kᵀ and P·V: 2·d FLOPs per (query, key) pair each.
-    attention = 4 * d * (n * s * s + m * t * t + m * t * s)
-    output = 0.0 if layers_only else 2 * v * d * t
-    return weights + attention + output
+    return (cfg.encoder_layers * layer_forward_flops(cfg, "encoder", src_len, tgt_len)
+            + cfg.decoder_layers * layer_forward_flops(cfg, "decoder", src_len, tgt_len)
+            + (0.0 if layers_only else layer_forward_flops(cfg, "output", src_len, tgt_len)))
 
 
 def training_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, recompute: bool = False) -> float:

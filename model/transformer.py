@@ -3,7 +3,7 @@
 The *layer plan* is the flat sequence embed → encoder layers → [encoder LN] → decoder layers →
 [decoder LN] → output projection. The pipeline (`parallel/pipeline.py`) cuts this same sequence
 into stages. Layer i of the plan is initialised right after `torch.manual_seed(seed + i)` in both
-the plain model and the pipeline (DeepSpeed's `seed_layers`), so a run starts from identical
+the plain model and the pipeline (parallel/pipeline.py sets it per layer spec), so a run starts from identical
 weights whatever the pipeline layout.
 """
 from __future__ import annotations

@@ -138,8 +138,8 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _universal_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     pipe = {}
-    for param_dir in sorted(glob.glob(os.path.join(tag_dir, "zero", "*"))):
-        pipe[os.path.basename(param_dir)] = _load(os.path.join(param_dir, "fp32.pt"))["param"]
+    for fp32 in sorted(glob.glob(os.path.join(tag_dir, "zero", "*", "fp32.pt"))):
+        pipe[os.path.basename(os.path.dirname(fp32))] = _load(fp32)["param"]
     return plain_state_dict(cfg, pipe)
 
 
@@ -264,7 +264,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
            "--output_folder", work, "--inject_missing_state", "--num_extract_workers", "2",
            "--num_merge_workers", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
         shutil.rmtree(work, ignore_errors=True)
         raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"

@@ -20,6 +20,14 @@ from tests.conftest import launch, write_run_config
 STEPS, SAVE_AT = 4, 2
 
 
+@pytest.fixture(autouse=True, scope="module")
+def restore_threads():
+    """translate/eval --threads 1 set torch's thread count for the whole process: put it back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
     work = tmp_path_factory.mktemp("ckpt")
@@ -63,6 +71,15 @@ def test_consolidated_file_reproduces_the_pipeline_logits(trained, tmp_path):
         assert torch.equal(direct[name], value), name
 
 
+def test_universal_checkpoint_consolidates_to_the_same_weights(trained):
+    # The resharded run directory holds only the universal checkpoint made from step 2.
+    universal = load_model(trained["run_dir"] + "-pp1dp2")
+    assert universal.meta["source"]["tag"] == f"universal-step{SAVE_AT}"
+    original = load_model(trained["run_dir"], tag=f"step{SAVE_AT}").model.state_dict()
+    for name, value in universal.model.state_dict().items():
+        assert torch.equal(original[name], value), name
+
+
 def test_files_that_need_code_to_load_are_refused(tmp_path):
     path = str(tmp_path / "evil.pt")
     torch.save({"format": "deepnet-consolidated-1", "payload": shutil.rmtree}, path)
@@ -81,7 +98,8 @@ def test_reshard_refuses_an_impossible_layout(trained, tmp_path):
 def test_translate_keeps_lines_and_refuses_unknown_languages(trained, tmp_path, capsys):
     src, out = tmp_path / "in.txt", tmp_path / "out.txt"
     src.write_text("Save and continue editing\n\nDelete\n", encoding="utf-8")
-    assert cli(["translate", trained["run_dir"], "--to", "de", "-i", str(src), "-o", str(out), "--beam", "2"]) == 0
+    assert cli(["translate", trained["run_dir"], "--to", "de", "-i", str(src), "-o", str(out), "--beam", "2",
+                "--threads", "1"]) == 0
     lines = out.read_text(encoding="utf-8").split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""
     assert "sentences/s" in capsys.readouterr().err
@@ -90,14 +108,15 @@ def test_translate_keeps_lines_and_refuses_unknown_languages(trained, tmp_path, 
 
 
 def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, monkeypatch, capsys):
+    from sacrebleu.tokenizers import tokenizer_spm
+
     from data.corpus import list_pairs, read_direction
     from data.prepare import corpus_path, load_manifest
-    from sacrebleu.tokenizers import tokenizer_spm
 
     # spBLEU: absent FLORES model → a message naming the path; present → a column (a stand-in file).
     monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(tmp_path / "sacrebleu"))
     out_dir = tmp_path / "eval"
-    args = ["eval", trained["run_dir"], "--splits", "test", "--max-sentences", "6", "--greedy",
+    args = ["eval", trained["run_dir"], "--splits", "test", "--max-sentences", "6", "--greedy", "--threads", "1",
             "--out-dir", str(out_dir)]
     assert cli(args) == 0
     printed = capsys.readouterr().out

@@ -18,7 +18,13 @@ from data.gettext_corpus import (
     django_locale_root,
     find_catalogs,
 )
-from data.prepare import corpus_path, load_manifest, prepare_data, split_prefix, spm_model_path
+from data.prepare import (
+    corpus_path,
+    load_manifest,
+    prepare_data,
+    split_prefix,
+    spm_model_path,
+)
 from data.sampling import temperature_probs
 from data.spm import load_tokenizer
 
@@ -121,7 +127,7 @@ def test_prepare_is_idempotent_and_batching_settings_do_not_redo_it(prepared):
 
 
 def test_every_token_appears_in_exactly_one_batch_per_epoch(prepared, train_set):
-    out, manifest = prepared
+    _, manifest = prepared
     stream = BatchStream(train_set, max_tokens=400, seed=3, temperature=1.0, window=1000)
     assert stream.windows == -(-len(train_set) // 1000) > 1
     for epoch in range(2):

@@ -21,8 +21,8 @@ from data.sampling import permute, temperature_probs
 # Languages of other scripts than the bundled default's; en-uk is cut to a tenth so that
 # temperature sampling has something to do.
 SIZES = {"ja": None, "uk": 80, "el": None}
-CONFIG = dict(languages=[], vocab_size=1500, shard_size=120, max_source_len=64,
-              max_target_len=64, spm_sample_sentences=100_000)
+CONFIG = {"languages": [], "vocab_size": 1500, "shard_size": 120, "max_source_len": 64,
+          "max_target_len": 64, "spm_sample_sentences": 100_000}
 
 
 def _opus_corpus(folder: str) -> None:
@@ -61,7 +61,7 @@ def reference(corpus, tmp_path_factory) -> tuple[str, dict]:
 
 
 def test_second_corpus_in_opus_layout_is_prepared(reference):
-    out, manifest = reference
+    _, manifest = reference
     assert manifest["languages"] == ["en", "el", "ja", "uk"]
     assert manifest["directions"] == ["en-el", "el-en", "en-ja", "ja-en", "en-uk", "uk-en"]
     assert manifest["pairs"]["en-uk"]["train"] == 80

@@ -17,8 +17,8 @@ from data.gettext_corpus import catalog_pairs, django_locale_root, find_catalogs
 from data.prepare import prepare_data, split_prefix, spm_model_path
 from data.spm import load_tokenizer
 
-CONFIG = dict(vocab_size=700, max_chars=400, max_source_len=128, max_target_len=128,
-              max_length_ratio=4.0, shard_size=150, workers=2, spm_sample_sentences=100_000)
+CONFIG = {"vocab_size": 700, "max_chars": 400, "max_source_len": 128, "max_target_len": 128,
+          "max_length_ratio": 4.0, "shard_size": 150, "workers": 2, "spm_sample_sentences": 100_000}
 # Per pair, what the bad lines below must add to the report.
 EXPECTED = {"invalid_utf8": 1, "empty": 2, "too_long_chars": 1, "duplicate": 3,
             "too_long_tokens": 1, "length_ratio": 1}
@@ -92,7 +92,7 @@ def test_readers_find_every_layout_with_its_splits(bad_corpus):
 
 
 def test_each_rule_drops_and_counts_its_lines_per_pair(bad_corpus):
-    _, out, manifest, lines = bad_corpus
+    _, out, _, lines = bad_corpus
     with open(os.path.join(out, "validation_report.json")) as handle:
         report = json.load(handle)
     for pair in ("en-de", "en-fr", "en-ru"):
@@ -112,7 +112,7 @@ def test_each_rule_drops_and_counts_its_lines_per_pair(bad_corpus):
 
 
 def test_the_first_of_duplicates_is_kept_and_bad_lines_never_reach_the_shards(bad_corpus):
-    corpus, out, manifest, _ = bad_corpus
+    _, out, manifest, _ = bad_corpus
     tokenizer = load_tokenizer(spm_model_path(out))
     train = PairDataset(split_prefix(out, "train"))
     direction = train.directions.index("en-fr")

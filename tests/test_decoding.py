@@ -23,6 +23,15 @@ from model.transformer import EncoderDecoder
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small matrix products: one thread avoids oversubscribing a machine shared by test runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_model(vocab: int = 24, norm: str = "deepnorm", seed: int = 0, sharp: float = 1.0) -> EncoderDecoder:
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, d_model=32, heads=4, ffn_dim=64, vocab_size=vocab,
                       norm=norm, dropout=0.0, max_positions=64)
@@ -82,7 +91,7 @@ def test_beam_hypothesis_scores_equal_full_recomputation():
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
         outputs = [h.tokens + [EOS] for h in hyps]
         reference = full_scores(model, src[row:row + 1].expand(len(hyps), -1), outputs)
-        for h, ref in zip(hyps, reference):
+        for h, ref in zip(hyps, reference, strict=True):
             assert len(h.tokens) <= int(max_len[row]) and EOS not in h.tokens
             assert h.token_scores == pytest.approx(ref, abs=2e-5)
             assert h.score == pytest.approx(sum(ref) / len(ref), abs=2e-5)
@@ -111,7 +120,7 @@ def test_beam_search_returns_the_exhaustive_optimum(lenpen):
                             banned=[PAD, UNK, BOS], lenpen=lenpen)[0]
         assert len(found) == 13  # every output was finished and scored
         assert found[0].tokens == best
-        assert found[0].score == pytest.approx(best_score, abs=1e-5)
+        assert found[0].score == pytest.approx(best_score, rel=1e-6, abs=1e-5)
         greedy = greedy_search(model, src, torch.tensor([max_len]), bos=BOS, eos=EOS, banned=[PAD, UNK, BOS],
                                lenpen=lenpen)[0]
         greedy_missed += greedy.tokens != best
@@ -124,7 +133,7 @@ def test_beam_of_one_is_greedy_search():
     max_len = torch.tensor([9, 6, 7, 4])
     greedy = greedy_search(model, src, max_len, bos=BOS, eos=EOS, banned=[PAD, BOS])
     beam1 = beam_search(model, src, max_len, beam=1, bos=BOS, eos=EOS, banned=[PAD, BOS])
-    for g, b in zip(greedy, beam1):
+    for g, b in zip(greedy, beam1, strict=True):
         assert g.tokens == b[0].tokens
         assert g.score == pytest.approx(b[0].score, abs=1e-6)
 
@@ -136,8 +145,8 @@ def test_output_length_is_capped_at_a_times_source_plus_b():
     caps = max_lengths(torch.tensor([len(s) for s in srcs]), options, 64)
     assert caps.tolist() == [int(0.5 * n + 1) for n in (3, 8, 12, 5)]
     hyps = generate(model, srcs, options, bos=BOS, eos=EOS)
-    assert all(len(h.tokens) <= cap for h, cap in zip(hyps, caps.tolist()))
-    assert any(len(h.tokens) == cap for h, cap in zip(hyps, caps.tolist()))  # a flat model runs to the cap
+    assert all(len(h.tokens) <= cap for h, cap in zip(hyps, caps.tolist(), strict=True))
+    assert any(len(h.tokens) == cap for h, cap in zip(hyps, caps.tolist(), strict=True))  # a flat model runs to the cap
     assert max_lengths(torch.tensor([100]), DecodeOptions(max_len_a=2.0), 64).item() == 63  # position table
 
 
@@ -153,7 +162,7 @@ def test_generate_batches_by_tokens_and_returns_input_order():
         small = generate(model, srcs, DecodeOptions(beam=beam, max_tokens=24), bos=BOS, eos=EOS,
                          progress=seen.append)
         alone = [generate(model, [s], DecodeOptions(beam=beam), bos=BOS, eos=EOS)[0] for s in srcs]
-        for a, b in zip(small, alone):  # padding and batch company do not change a translation
+        for a, b in zip(small, alone, strict=True):  # padding and batch company do not change a translation
             assert a.tokens == b.tokens
             assert a.score == pytest.approx(b.score, abs=1e-5)
     assert sum(seen) == 2 * len(srcs) and len(seen) == 2 * len(batches)

@@ -7,11 +7,14 @@ each a 2-stage pipeline with one stage per node:
 - job B gets SIGUSR1 the way `sbatch --signal=B:USR1@T` delivers it (to the batch shell). It must
   save a checkpoint, requeue itself, resume from that checkpoint and finish with exactly job A's
   losses at every step.
+Cheap checks without a cluster come first: the generated script, the rank mapping, every config's
+layouts, and that a signal reaching one rank stops all of them.
 Installing and running the daemons needs root on Debian; elsewhere the test is skipped and says why.
 """
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import os
 import re
@@ -21,7 +24,9 @@ import time
 
 import pytest
 
+from data.config import DataConfig
 from launcher.config import load_config
+from tests.conftest import TINY_DATA
 from tests.reference import reference_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +36,100 @@ REFERENCE_STEPS = 20
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
 
+
+# ---- the generated script and the rank mapping (no cluster needed) -----------------------------
+
+def generate(tmp_path, *flags: str) -> tuple[int, str, str]:
+    from launcher.cli import main
+
+    run_dir = str(tmp_path / "run")
+    code = main(["slurm", *flags, "--run-dir", run_dir])
+    script = os.path.join(run_dir, "slurm", "job.sbatch")
+    return code, run_dir, open(script).read() if os.path.exists(script) else ""
+
+
+def test_every_bundled_config_and_cluster_layout_loads():
+    configs = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+    layouts = 0
+    for path in configs:
+        cfg = load_config(path)
+        for name, layout in cfg.clusters.items():
+            laid_out = load_config(path, cluster=name)
+            assert laid_out.world_size == layout.nodes * layout.gpus_per_node
+            layouts += 1
+    assert layouts >= 9  # three paper-scale models × three clusters
+
+
+def test_gpu_cluster_script_runs_one_rank_per_gpu_with_nccl_and_requeue(tmp_path):
+    code, run_dir, script = generate(tmp_path, os.path.join(ROOT, "configs", "deepnet-100-100-1024.yaml"),
+                                     "--cluster", "a100-80gb-x64", "--time", "2-00:00:00",
+                                     "--partition", "gpu", "--cpus-per-task", "12")
+    assert code == 0
+    for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --time=2-00:00:00", "#SBATCH --partition=gpu", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@300", f"#SBATCH --output={run_dir}/slurm/logs/%x-%j.out",
+                 "export DS_ACCELERATOR=cuda", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1', 'scontrol requeue "$SLURM_JOB_ID"',
+                 "srun --nodes=8 --ntasks-per-node=8 --cpus-per-task=12 --kill-on-bad-exit=1"):
+        assert line in script, line
+    assert subprocess.run(["bash", "-n", os.path.join(run_dir, "slurm", "job.sbatch")]).returncode == 0
+    job_cfg = load_config(os.path.join(run_dir, "slurm", "config.yaml"))  # the cluster's layout, resolved
+    p = job_cfg.parallel
+    assert (p.pipeline_stages, p.data_parallel, p.precision, job_cfg.train.micro_batches) == (2, 32, "bf16", 16)
+    assert job_cfg.run_dir == run_dir and not job_cfg.clusters
+
+
+def test_layout_that_does_not_match_the_nodes_is_refused_naming_the_flags(tmp_path, capsys):
+    code, _, script = generate(tmp_path, CONFIG, "--nodes", "2", "--gpus-per-node", "4")
+    assert code == 2 and script == ""
+    err = capsys.readouterr().err
+    assert "--nodes 2 × --gpus-per-node 4 = 8" in err and "= 2 ranks" in err
+    code, _, _ = generate(tmp_path, CONFIG, "--nodes", "2")
+    assert code == 2 and "--gpus-per-node" in capsys.readouterr().err
+    code, _, _ = generate(tmp_path, CONFIG, "--cluster", "x", "--nodes", "2", "--gpus-per-node", "0")
+    assert code == 2 and "no clusters: section" in capsys.readouterr().err
+
+
+def test_srun_task_variables_become_torch_rank_variables():
+    from parallel.engine import slurm_rank_env
+
+    task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
+            "SLURM_NTASKS": "8", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "gpu017"}
+    assert slurm_rank_env(task) == {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_PORT": "23456"}
+    assert slurm_rank_env({**task, "RANK": "0"}) == {}  # a launcher (deepspeed, torchrun) already set ranks
+    batch_shell = {k: v for k, v in task.items() if k != "SLURM_STEP_ID"}
+    assert slurm_rank_env(batch_shell) == {}  # not inside an srun step
+
+
+def _agreement_rank(rank: int, port: int, out: str) -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    from launcher import train
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    train.install_preemption_handler()
+    before = train.preemption_agreed()
+    if rank == 1:  # the signal reaches one process only
+        os.kill(os.getpid(), signal.SIGUSR1)
+    after = train.preemption_agreed()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump([before, after], f)
+    dist.destroy_process_group()
+
+
+def test_preemption_signal_to_one_rank_stops_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    from parallel.engine import free_port
+
+    out = str(tmp_path / "agreed")
+    mp.spawn(_agreement_rank, args=(free_port(), out), nprocs=2)
+    assert [json.load(open(f"{out}.{rank}")) for rank in (0, 1)] == [[False, True], [False, True]]
+
+
+# ---- the real cluster --------------------------------------------------------------------------
 
 def _unavailable() -> str | None:
     """Why a SLURM cluster cannot be run here, or None after making sure it is installed."""
@@ -64,6 +163,8 @@ def cluster(tmp_path_factory):
 
 
 def submit(env: dict, run_dir: str, data_dir: str) -> str:
+    # The job's data step must find the session's corpus up to date, not rebuild it in place.
+    assert load_config(CONFIG).data == DataConfig(**TINY_DATA), "configs/slurm-tiny.yaml data ≠ TINY_DATA"
     os.makedirs(run_dir)
     os.symlink(data_dir, os.path.join(run_dir, "data"))  # the session's prepared tiny corpus
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", CONFIG, "--nodes", "2",
@@ -88,10 +189,16 @@ def log_of(run_dir: str, job: str) -> str:
 def wait_until_ended(env: dict, job: str, run_dir: str, restarts: int = 0, timeout: float = 600) -> dict:
     """Poll scontrol until the job has ended after `restarts` requeues; generous for a busy machine."""
     deadline = time.monotonic() + timeout
+    ended_at = None
     while time.monotonic() < deadline:
         info = job_info(env, job)
-        if info.get("JobState") in ENDED and int(info.get("Restarts", 0)) >= restarts:
-            return info
+        if info.get("JobState") in ENDED:
+            ended_at = ended_at or time.monotonic()
+            # Ended without the expected requeue: give SLURM a moment, then let the caller fail.
+            if int(info.get("Restarts", 0)) >= restarts or time.monotonic() - ended_at > 10:
+                return info
+        else:
+            ended_at = None
         time.sleep(1)
     raise AssertionError(f"job {job} did not end within {timeout} s: {job_info(env, job)}\n"
                          f"{log_of(run_dir, job)[-4000:]}")

@@ -18,7 +18,14 @@ import os
 import sys
 import time
 
-from launcher.commands.translate import add_decoding_arguments, decode_options, load_translator, progress_bar
+from launcher.commands.translate import (
+    add_decoding_arguments,
+    decode_options,
+    idle_cores,
+    load_translator,
+    progress_bar,
+    threads,
+)
 
 HELP = "translate the dev/test sets of every direction; BLEU/chrF (sacreBLEU) table per split"
 DEFAULT_RUN = "runs/default"
@@ -155,14 +162,14 @@ def evaluate(translator, sets: dict, options, spbleu: str, out_dir: str, log=pri
         rows = []
         hyp_dir = os.path.join(out_dir, split)
         os.makedirs(hyp_dir, exist_ok=True)
-        for direction, (sources, references) in by_direction.items():
-            mine = [h for h, owner in zip(hyps, owners) if owner == direction]
+        for direction, (_, references) in by_direction.items():
+            mine = [h for h, owner in zip(hyps, owners, strict=True) if owner == direction]
             _write(os.path.join(hyp_dir, f"{direction}.hyp"), "".join(h + "\n" for h in mine))
             rows.append({"direction": direction, "sentences": len(mine), **score(chosen, mine, references)})
         rows += average_rows(rows, columns)
         sigs = signatures(chosen)
         speed = {"sentences": len(texts), "seconds": seconds, "sentences_per_s": len(texts) / seconds,
-                 "tokens_per_s": generated / seconds, "beam": options.beam}
+                 "tokens_per_s": generated / seconds, "beam": options.beam, "on": threads()}
         table = markdown(rows, columns)
         header = (f"# {split}: {len(by_direction)} directions, beam {options.beam}, lenpen {options.lenpen}\n\n")
         footer = "\n\n" + "\n".join(f"- {name}: `{sig}`" for name, sig in sigs.items()) + "\n"
@@ -176,11 +183,32 @@ def evaluate(translator, sets: dict, options, spbleu: str, out_dir: str, log=pri
         for name, sig in sigs.items():
             log(f"{name} signature: {sig}")
         log(f"decoded {len(texts)} sentences in {seconds:.1f} s: {speed['sentences_per_s']:.1f} sentences/s, "
-            f"{speed['tokens_per_s']:.0f} tokens/s (beam {options.beam})")
+            f"{speed['tokens_per_s']:.0f} tokens/s (beam {options.beam}, {threads()})")
         report[split] = {"rows": rows, "signatures": sigs, "speed": speed, "notes": notes}
     _write(os.path.join(out_dir, "eval.json"), json.dumps(report, indent=2, ensure_ascii=False))
     log(f"tables written to {out_dir}")
     return report
+
+
+def evaluate_after_training(run_dir: str, max_sentences: int) -> None:
+    """The short evaluation that ends ./run.sh train: the first `max_sentences` test sentences of
+    every direction, beam 5, tables in <run_dir>/eval/ (./run.sh eval scores everything)."""
+    import torch
+
+    from model.decoding import DecodeOptions
+
+    start = time.perf_counter()
+    torch.set_num_threads(idle_cores())
+    print(f"\n== evaluation: first {max_sentences} test sentences per direction, beam 5 "
+          f"(./run.sh eval {run_dir} scores all) ==", flush=True)
+    try:
+        translator = load_translator(run_dir)
+        sets = load_sets(run_dir, ["test"], None, max_sentences)
+    except ValueError as e:  # CheckpointError, DataError: the trained run itself is fine
+        print(f"error: cannot evaluate {run_dir}: {e}", file=sys.stderr)
+        return
+    evaluate(translator, sets, DecodeOptions(), "flores200", os.path.join(run_dir, "eval"))
+    print(f"evaluation took {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"the model's SentencePiece model differs from {args.run_dir}/data/spm.model; "
                              "score it on the run it was trained on")
         sets = load_sets(args.run_dir, args.splits, args.directions, args.max_sentences)
+        for direction in {d for by_direction in sets.values() for d in by_direction}:
+            translator.check_language(direction.split("-")[1])
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

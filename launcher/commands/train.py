@@ -16,6 +16,9 @@ PREEMPTED_EXIT_CODE = 75  # launcher/train.py exits with it after a preemption c
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="YAML run config")
     parser.add_argument("--run-dir", help="override run_dir of the config")
+    parser.add_argument("--eval-sentences", type=int, default=50, metavar="N",
+                        help="after training, translate the first N test sentences of every direction "
+                             "(beam 5) and print BLEU/chrF (default 50; 0 skips; ./run.sh eval scores all)")
 
 
 def gpu_count() -> int:
@@ -58,4 +61,8 @@ def run(args: argparse.Namespace) -> int:
     rc = subprocess.call(cmd, env=env, cwd=ROOT)
     if rc == PREEMPTED_EXIT_CODE:
         print("training was preempted after saving a checkpoint; run the same command to resume", flush=True)
+    if rc == 0 and args.eval_sentences > 0:
+        from launcher.commands.eval import evaluate_after_training
+
+        evaluate_after_training(cfg.run_dir, args.eval_sentences)
     return rc

@@ -7,6 +7,7 @@ decoding speed go to stderr, the translations alone to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import os
@@ -35,11 +36,30 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-len-b", type=int, default=d.max_len_b, help=f"(default b={d.max_len_b})")
     group.add_argument("--max-tokens", type=int, default=d.max_tokens,
                        help=f"source tokens per batch (default {d.max_tokens})")
+    group.add_argument("--threads", type=int, default=0,
+                       help="CPU threads (default 0: the cores the load average shows idle, at least 1)")
+
+
+def idle_cores() -> int:
+    """Cores this process may use minus the 1-minute load average, at least 1.
+
+    Decoding is a long series of small matrix products, and OpenMP threads spin while they wait
+    for each other: on a 2-core machine busy with other work, 2 threads decoded 10× slower than 1.
+    On an idle machine every core is used.
+    """
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(cores, cores - round(os.getloadavg()[0])))
 
 
 def decode_options(args: argparse.Namespace):
+    """The DecodeOptions of the command line (and the thread count applied)."""
+    import torch
+
     from model.decoding import DecodeOptions
 
+    if args.threads < 0:
+        raise ValueError("--threads must be >= 0")
+    torch.set_num_threads(args.threads or idle_cores())
     options = DecodeOptions(beam=1 if args.greedy else args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a,
                             max_len_b=args.max_len_b, max_tokens=args.max_tokens)
     options.validate()
@@ -50,9 +70,13 @@ class Translator:
     """A loaded model and its SentencePiece model: text in, text out, any target per line."""
 
     def __init__(self, loaded) -> None:
+        import torch
+
         from data.spm import Tokenizer
 
-        self.model = loaded.model
+        # GPUs when there are any (and run.sh did not choose the CPU); the search follows the model.
+        use_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+        self.model = loaded.model.to("cuda" if use_gpu else "cpu")
         self.meta = loaded.meta
         self.spm_sha256 = hashlib.sha256(loaded.spm_model).hexdigest()
         with tempfile.TemporaryDirectory() as tmp:  # SentencePiece reads the model into memory
@@ -64,7 +88,9 @@ class Translator:
         """Sources cut to the model's position table so far."""
 
     def check_language(self, language: str) -> None:
-        self.tokenizer.tag_id(language)  # DataError naming the known languages
+        if language not in self.tokenizer.tags:
+            raise ValueError(f"the model has no tag <2{language}>; it translates into "
+                             f"{', '.join(sorted(self.tokenizer.tags))}")
 
     def translate(self, texts: list[str], targets: list[str], options,
                   progress: Callable[[int], None] | None = None) -> tuple[list[str], int]:
@@ -98,6 +124,14 @@ def load_translator(source: str, tag: str | None = None) -> Translator:
     return Translator(load_model(source, tag))
 
 
+def threads() -> str:
+    """The compute the decoding ran on, for speed reports."""
+    import torch
+
+    return "GPU" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else \
+        f"{torch.get_num_threads()} CPU thread(s)"
+
+
 def progress_bar(total: int, what: str):
     """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
     from tqdm import tqdm
@@ -115,25 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    from parallel.checkpoints import CheckpointError
-
-    try:
-        options = decode_options(args)
-        translator = load_translator(args.model, args.tag)
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    translator.check_language(args.to)
-    if args.input and not os.path.isfile(args.input):
-        print(f"error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
-    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
-    tmp = f"{args.output}.tmp" if args.output else None
-    sink = open(tmp, "w", encoding="utf-8") if tmp else sys.stdout
+def translate_stream(translator: Translator, source, sink, language: str, options) -> tuple[int, int]:
+    """Translate the lines of `source` into `language`, writing them to `sink` chunk by chunk;
+    returns (lines, generated tokens)."""
     lines = tokens = 0
-    start = time.perf_counter()
-    bar = progress_bar(0, f"→ {args.to}")
+    bar = progress_bar(0, f"→ {language}")
     try:
         chunk: list[str] = []
         for line in itertools.chain(source, [None]):
@@ -141,24 +161,44 @@ def run(args: argparse.Namespace) -> int:
                 chunk.append(line.rstrip("\n"))
             if chunk and (line is None or len(chunk) == CHUNK_LINES):
                 bar.total = (bar.total or 0) + len(chunk)
-                out, generated = translator.translate(chunk, [args.to] * len(chunk), options, bar.update)
+                out, generated = translator.translate(chunk, [language] * len(chunk), options, bar.update)
                 sink.write("".join(text + "\n" for text in out))
                 sink.flush()
                 lines, tokens, chunk = lines + len(out), tokens + generated, []
-    except BaseException:
-        if tmp:  # no half-written output file
-            sink.close()
-            os.remove(tmp)
-        raise
     finally:
         bar.close()
-        if args.input:
-            source.close()
-    if tmp:
-        sink.close()
-        os.replace(tmp, args.output)
+    return lines, tokens
+
+
+def run(args: argparse.Namespace) -> int:
+    from parallel.checkpoints import CheckpointError
+
+    try:
+        options = decode_options(args)
+        translator = load_translator(args.model, args.tag)
+        translator.check_language(args.to)
+    except (CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.input and not os.path.isfile(args.input):
+        print(f"error: --input {args.input}: no such file", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        source = stack.enter_context(open(args.input, encoding="utf-8")) if args.input else sys.stdin
+        if not args.output:
+            lines, tokens = translate_stream(translator, source, sys.stdout, args.to, options)
+        else:  # written under a temporary name: no half-written output file
+            tmp = f"{args.output}.tmp"
+            try:
+                with open(tmp, "w", encoding="utf-8") as sink:
+                    lines, tokens = translate_stream(translator, source, sink, args.to, options)
+            except BaseException:
+                os.remove(tmp)
+                raise
+            os.replace(tmp, args.output)
     seconds = time.perf_counter() - start
     note = f", {translator.truncated} over-long sources truncated" if translator.truncated else ""
     print(f"translated {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} sentences/s, "
-          f"{tokens / max(seconds, 1e-9):.0f} tokens/s, beam {options.beam}{note})", file=sys.stderr)
+          f"{tokens / max(seconds, 1e-9):.0f} tokens/s, beam {options.beam}, {threads()}{note})", file=sys.stderr)
     return 0

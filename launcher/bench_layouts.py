@@ -1,0 +1,212 @@
+"""`./run.sh bench train`: time a grid of layouts of one model on the devices present.
+
+    ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
+                         [--max-tokens 1024] [--micro-batches 4] [--precision fp32]
+                         [--warmup 2] [--steps 5] [--model NAME] [--out DIR] [--profile]
+
+Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
+
+    config: configs/default.yaml       # run config: model, data, train (optional)
+    model: {encoder_layers: 6, ...}    # overrides of its model section (optional)
+    warmup: 2
+    steps: 5
+    layouts:                           # each entry is expanded like the flags
+      - {pp: [1, 2], dp: 1, ac: [0, 1], max_tokens: 1024, micro_batches: 4, precision: fp32}
+
+Each layout runs in its own launch (`launcher/bench_worker.py`), so its memory is its own. Per
+layout: target tokens/s (non-padding), step time median and spread, model TFLOP/s (model/flops.py),
+MFU and HFU against the peak (CPU: a matmul probe at start, all cores; GPU: datasheet table in
+parallel/planner.py), the measured pipeline bubble next to (p−1)/(m+p−1), and the peak memory of
+each stage above the process baseline next to the planner's prediction. Written to
+DIR/bench.{csv,md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import time
+
+import yaml
+
+from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
+from launcher.config import ConfigError, load_config
+
+GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision")
+FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str}
+
+
+def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
+    """Best FLOP/s of large square matmuls with `threads` threads: the CPU's practical peak."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm the kernels and thread pool
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+    return best
+
+
+def expand(entry: dict, where: str) -> list[dict]:
+    unknown = sorted(set(entry) - set(GRID_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown layout key(s) {unknown}; use {list(GRID_KEYS)}")
+    keys = list(entry)
+    values = [v if isinstance(v, list) else [v] for v in entry.values()]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def layout_name(layout: dict) -> str:
+    return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
+            f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}")
+
+
+def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, int]:
+    """(config path, model overrides, layouts, warmup, steps) from --grid or the flags."""
+    spec: dict = {}
+    if args.grid:
+        if not os.path.exists(args.grid):
+            raise ConfigError(f"--grid {args.grid}: no such file")
+        with open(args.grid) as f:
+            spec = yaml.safe_load(f) or {}
+        unknown = sorted(set(spec) - {"config", "model", "warmup", "steps", "layouts"})
+        if unknown:
+            raise ConfigError(f"{args.grid}: unknown key(s) {unknown}; use config, model, warmup, steps, layouts")
+    config = args.config or spec.get("config") or DEFAULT_CONFIG
+    base = load_config(config)
+    model = dict(spec.get("model") or {})
+    if args.model:
+        from parallel.planner import named_model
+
+        try:
+            shape = named_model(args.model)
+        except ValueError as e:
+            raise ConfigError(f"--model: {e}") from None
+        model.update({k: getattr(shape, k) for k in ("encoder_layers", "decoder_layers", "d_model", "heads", "ffn_dim")})
+    defaults = {"pp": base.parallel.pipeline_stages, "dp": base.parallel.data_parallel,
+                "ac": base.parallel.activation_checkpoint_interval, "precision": base.parallel.precision,
+                "max_tokens": base.data.max_tokens, "micro_batches": base.train.micro_batches, "tp": 1}
+    flags = {k: [FLAG_TYPES[k](v) for v in str(getattr(args, k)).split(",")] for k in GRID_KEYS
+             if getattr(args, k) is not None}
+    entries = spec.get("layouts") or [{}]
+    layouts = []
+    for i, entry in enumerate(entries):
+        for layout in expand({**defaults, **entry, **flags}, f"{args.grid or 'flags'}: layouts[{i}]"):
+            layout["name"] = layout_name(layout)
+            layouts.append(layout)
+    warmup = args.warmup if args.warmup is not None else spec.get("warmup", 2)
+    steps = args.steps if args.steps is not None else spec.get("steps", 5)
+    if warmup < 0 or steps < 1:
+        raise ConfigError("--warmup must be >= 0 and --steps >= 1")
+    return config, model, layouts, warmup, steps
+
+
+def check_layout(config: str, model: dict, layout: dict) -> int:
+    """Validate a layout through the real config loader; returns its world size."""
+    from launcher.bench_worker import LAYOUT_KEYS
+
+    overrides: dict = {"model": dict(model)}
+    for key, (section, name) in LAYOUT_KEYS.items():
+        if key in layout and not (key == "tp" and layout[key] == 1):
+            overrides.setdefault(section, {})[name] = layout[key]
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        if "tensor_parallel" in str(e):
+            raise ConfigError(f"layout {layout['name']}: this checkout has no tensor parallelism "
+                              "(parallel.tensor_parallel); use tp=1") from None
+        raise
+    return cfg.world_size
+
+
+def run_one(config: str, model: dict, layout: dict, world: int, work: str, data_dir: str,
+            profile_dir: str | None) -> dict:
+    spec_path = os.path.join(work, f"{layout['name']}.layout.json")
+    out = os.path.join(work, f"{layout['name']}.result.json")
+    log = os.path.join(work, f"{layout['name']}.log")
+    with open(spec_path, "w") as f:
+        json.dump({"model": model, "layout": layout}, f)
+    args = ["--config", os.path.abspath(config), "--layout", spec_path, "--work-dir", os.path.join(work, "runs"),
+            "--data-dir", data_dir, "--out", out] + (["--profile-dir", profile_dir] if profile_dir else [])
+    script = os.path.join(ROOT, "launcher", "bench_worker.py")
+    # A world of one needs no launcher; more ranks go through the real deepspeed launcher.
+    cmd = [sys.executable, script, *args] if world == 1 else deepspeed_command(world, "launcher/bench_worker.py", args)
+    if os.path.exists(out):
+        os.remove(out)
+    env = launch_env(world)
+    # glibc raises its mmap threshold as large blocks are freed and then keeps freed tensors in
+    # its heap: RSS grew up to 1.6× above the live tensors here, by allocation order. A fixed
+    # threshold returns every freed tensor ≥ 128 KiB to the OS, so peak RSS measures what the
+    # training state needs, as the allocator peak does on GPUs.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if code != 0 or not os.path.exists(out):
+        with open(log) as f:
+            tail = f.read()[-4000:]
+        raise RuntimeError(f"layout {layout['name']} failed (exit {code}); log {log}:\n{tail}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run.sh bench train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", help=f"YAML run config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--grid", help="YAML grid file (see --help text above)")
+    parser.add_argument("--model", help="a named model shape of the planner (e.g. base-6-6, tiny-100-100)")
+    for key in GRID_KEYS:
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, help=f"{key} value(s), comma-separated")
+    parser.add_argument("--warmup", type=int, help="untimed steps per layout (default 2)")
+    parser.add_argument("--steps", type=int, help="measured steps per layout (default 5)")
+    parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    parser.add_argument("--profile", action="store_true", help="profile one extra step of single-process layouts")
+    args = parser.parse_args(argv)
+    try:
+        return bench(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def bench(args: argparse.Namespace) -> int:
+    from data.prepare import prepare_data
+    from launcher.bench_report import Environment, summarize, write_outputs
+
+    config, model, layouts, warmup, steps = build_grid(args)
+    worlds = {layout["name"]: check_layout(config, model, layout) for layout in layouts}
+    out = os.path.abspath(args.out)
+    work = os.path.join(out, "work")
+    os.makedirs(work, exist_ok=True)
+    base = load_config(config)
+    data_dir = os.path.join(out, "data")
+    prepare_data(base.data, data_dir, log=lambda msg: print(msg, flush=True))
+    env = Environment.probe({layout["precision"] for layout in layouts})
+    print(env.describe(), flush=True)
+    rows = []
+    for layout in layouts:
+        layout = {**layout, "warmup": warmup, "steps": steps}
+        world = worlds[layout["name"]]
+        if env.device_kind == "cpu" and world > (os.cpu_count() or 1):
+            print(f"note: {layout['name']} runs {world} ranks on {os.cpu_count()} cores; its times are oversubscribed")
+        print(f"running {layout['name']} ({world} rank{'s' * (world > 1)}) ...", flush=True)
+        result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
+        row = summarize(result, env, load_config(config, {"model": model}).model)
+        rows.append(row)
+        print("  " + row["summary"], flush=True)
+    paths = write_outputs(rows, env, out, {"config": config, "model": model, "warmup": warmup, "steps": steps})
+    print(f"wrote {', '.join(paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Turns benchmark worker results into the numbers of a table row, and writes CSV/Markdown/JSON.
+
+Definitions (the README repeats them):
+  target tokens/s   non-padding target tokens of the measured steps / their summed step time
+  model TFLOP/s     model/flops.py on the real lengths of every pair / step time
+  MFU, HFU          model FLOP/s (resp. hardware FLOP/s: padded shapes + recomputation) / peak
+                    of all devices used (CPU: the matmul probe of the whole machine)
+  bubble measured   per rank: 1 − (forward + backward time) / (step time − gradient reduction −
+                    optimizer step), averaged over ranks and measured steps; theory (p−1)/(m+p−1)
+  memory            per stage, the largest peak above the process baseline among its replicas
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from model.config import ModelConfig
+from model.flops import batch_flops, training_flops, utilization
+
+MB = 2**20
+
+
+@dataclass
+class Environment:
+    device_kind: str
+    device_name: str
+    cores: int
+    memory_bytes: int
+    peaks: dict = field(default_factory=dict)
+    """FLOP/s per precision: the whole machine on CPU, one device on GPUs (None when unknown)."""
+    load_average: tuple = ()
+
+    @classmethod
+    def probe(cls, precisions: set[str]) -> "Environment":
+        import psutil
+        import torch
+
+        cores = os.cpu_count() or 1
+        if torch.cuda.is_available():
+            from parallel.planner import DEVICES
+
+            name = torch.cuda.get_device_name(0)
+            table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
+            peaks = {p: (table["peak_tflops"].get(p, 0) * 1e12 if table else None) for p in precisions}
+            return cls("gpu", name, cores, torch.cuda.get_device_properties(0).total_memory, peaks, os.getloadavg())
+        from launcher.bench_layouts import matmul_peak
+
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        peaks = {p: matmul_peak(dtypes[p], cores) for p in sorted(precisions)}
+        return cls("cpu", _cpu_name(), cores, psutil.virtual_memory().total, peaks, os.getloadavg())
+
+    def peak_total(self, precision: str, world: int) -> float | None:
+        peak = self.peaks.get(precision)
+        if peak is None:
+            return None
+        return peak if self.device_kind == "cpu" else peak * world
+
+    def describe(self) -> str:
+        peaks = ", ".join(f"{p} {v / 1e12:.3f} TFLOP/s" if v else f"{p} unknown" for p, v in self.peaks.items())
+        what = "matmul probe, all cores" if self.device_kind == "cpu" else "datasheet, per device"
+        load = " ".join(f"{x:.1f}" for x in self.load_average)
+        return (f"{self.device_name} ({self.cores} cores, {self.memory_bytes / 2**30:.0f} GiB); "
+                f"peak {peaks} ({what}); load average before: {load}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+def largest_microbatch(result: dict, warmup: int) -> tuple[int, int, int]:
+    """(sequences, src_len, tgt_len) of the measured micro-batch with the most padded tokens."""
+    shapes = [tuple(b["shape"]) for step in result["batches"][warmup:] for b in step]
+    return max(shapes, key=lambda s: s[0] * (s[1] + s[2]))
+
+
+def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment) -> list[float] | None:
+    """The planner's peak bytes per stage for this layout and micro-batch (CPU fp32 only)."""
+    from parallel.planner import Device, Layout, stage_memory
+
+    if env.device_kind != "cpu" or layout["precision"] != "fp32":
+        return None  # measured on GPU the allocator peak is its own check; CPU bf16 is not modelled
+    dev = Device(name="cpu", memory_gib=env.memory_bytes / 2**30, peak_tflops={}, hbm_gbs=0, intra_gbs=0,
+                 inter_node_gbs=0, gpus_per_node=1, kind="cpu")
+    plan_layout = Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
+                         sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
+                         precision=layout["precision"])
+    return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
+
+
+def measured_bubble(result: dict, warmup: int) -> float:
+    values = []
+    for rank in result["ranks"]:
+        for inst in rank["instructions"][warmup:]:
+            phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
+            busy = inst.get("ForwardPass", 0.0) + inst.get("BackwardPass", 0.0)
+            if phase > 0:
+                values.append(1.0 - busy / phase)
+    return statistics.fmean(values)
+
+
+def summarize(result: dict, env: Environment, model: ModelConfig) -> dict:
+    layout = result["layout"]
+    warmup = layout["warmup"]
+    model = ModelConfig(**{**asdict(model), "vocab_size": result["vocab_size"]})
+    steps = result["steps"][warmup:]
+    seconds = [s["seconds"] for s in steps]
+    total_time = sum(seconds)
+    tokens = sum(s["tokens"] for s in steps)
+    ac = layout["ac"] > 0
+    model_flops = hw_flops = padded = real = 0.0
+    for step in result["batches"][warmup:]:
+        for b in step:
+            model_flops += batch_flops(model, zip(b["src_lens"], b["tgt_lens"]))
+            n, s, t = b["shape"]
+            hw_flops += n * training_flops(model, s, t, recompute=ac)
+            padded += n * (s + t)
+            real += sum(b["src_lens"]) + sum(b["tgt_lens"])
+    world = len(result["ranks"])
+    peak = env.peak_total(layout["precision"], world)
+    pp = layout["pp"]
+    m = layout["micro_batches"]
+    stage_peaks = [max(r["peak_bytes"] - r["baseline_bytes"] for r in result["ranks"] if r["stage"] == s)
+                   for s in range(pp)]
+    shape = largest_microbatch(result, warmup)
+    predicted = predicted_memory(model, layout, shape, env)
+    row = {
+        "layout": layout["name"], "pp": pp, "tp": layout.get("tp", 1), "dp": layout["dp"],
+        "max_tokens": layout["max_tokens"], "micro_batches": m, "ac": layout["ac"], "precision": layout["precision"],
+        "ranks": world, "steps": len(steps), "target_tokens_per_s": tokens / total_time,
+        "step_s_median": statistics.median(seconds), "step_s_min": min(seconds), "step_s_max": max(seconds),
+        "model_tflops": model_flops / total_time / 1e12,
+        "mfu": utilization(model_flops, total_time, peak) if peak else None,
+        "hfu": utilization(hw_flops, total_time, peak) if peak else None,
+        "bubble_measured": measured_bubble(result, warmup), "bubble_theory": (pp - 1) / (m + pp - 1),
+        "stage_peak_mb": [p / MB for p in stage_peaks],
+        "stage_predicted_mb": [p / MB for p in predicted] if predicted else None,
+        "largest_microbatch": list(shape), "padding": 1 - real / padded if padded else 0.0,
+        "params": [r["params"] for r in result["ranks"]], "last_loss": steps[-1]["loss"],
+    }
+    if "profile" in result["ranks"][0]:
+        row["profile"] = result["ranks"][0]["profile"]
+    mfu = f"MFU {row['mfu']:.1%}" if row["mfu"] is not None else "MFU n/a"
+    row["summary"] = (f"{row['target_tokens_per_s']:.0f} tgt tok/s | step {row['step_s_median']:.2f} s | "
+                      f"{row['model_tflops']:.3f} TFLOP/s | {mfu} | bubble {row['bubble_measured']:.2f} "
+                      f"(theory {row['bubble_theory']:.2f}) | peak MB/stage "
+                      + "/".join(f"{x:.0f}" for x in row["stage_peak_mb"]))
+    return row
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
+    lines = [f"Device: {env.describe()}.", "",
+             f"Config `{spec['config']}`, model overrides {spec['model'] or 'none'}; {spec['warmup']} warm-up + "
+             f"{spec['steps']} measured steps per layout.", "",
+             "| layout | ranks | target tok/s | step s (median, min–max) | model TFLOP/s | MFU | HFU "
+             "| bubble measured / theory | peak MB per stage, measured (planner) | padding |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        predicted = r["stage_predicted_mb"] or [None] * len(r["stage_peak_mb"])
+        memory = " / ".join(f"{m:.0f}" + (f" ({p:.0f})" if p is not None else "")
+                            for m, p in zip(r["stage_peak_mb"], predicted))
+        lines.append(f"| {r['layout']} | {r['ranks']} | {r['target_tokens_per_s']:.0f} | {r['step_s_median']:.2f} "
+                     f"({r['step_s_min']:.2f}–{r['step_s_max']:.2f}) | {r['model_tflops']:.4f} | {_pct(r['mfu'])} "
+                     f"| {_pct(r['hfu'])} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
+                     f"| {_pct(r['padding'])} |")
+    profiled = [r for r in rows if "profile" in r]
+    for r in profiled:
+        p = r["profile"]
+        lines += ["", f"Profile of one step of {r['layout']}: matmul {_pct(p['matmul'])}, attention "
+                  f"{_pct(p['attention'])}, other {_pct(p['other'])} of operator self time; top operators: "
+                  + ", ".join(f"{name} {_pct(share)}" for name, share in p["top"]) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(rows: list[dict], env: Environment, out: str, spec: dict) -> list[str]:
+    paths = [os.path.join(out, f"bench.{ext}") for ext in ("csv", "md", "json")]
+    columns = [k for k in rows[0] if k not in ("summary", "profile")]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for r in rows:
+            writer.writerow(["/".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in r[c])
+                             if isinstance(r[c], list) else r[c] for c in columns])
+    with open(paths[1], "w") as f:
+        f.write(markdown(rows, env, spec))
+    with open(paths[2], "w") as f:
+        json.dump({"environment": asdict(env), "spec": spec, "rows": rows}, f, indent=1)
+    return paths

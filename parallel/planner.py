@@ -1,0 +1,359 @@
+"""Cluster planner: per-stage memory and step time of a pp × tp × dp layout, before running it.
+
+Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer configures it:
+
+* Parameters, gradients and optimizer state (`STATE_BYTES`, per parameter of the stage's shard).
+  Two moments compete for the peak: forward/backward (weights, gradients, the optimizer state
+  kept between steps) and the optimizer step (plus the flattened gradient copies and Adam's
+  temporaries). The fp32 figures were measured on CPU (peak 8.3× the fp32 weights at dp = 1,
+  33 B/param); bf16 and fp16 follow the code of BF16_Optimizer and DeepSpeedZeroOptimizer.
+  ZeRO-1 divides the fp32 master copy, Adam's moments and the flat gradient partition by dp.
+* Activations (`layer_activation_bytes`): what autograd saves per layer of this implementation,
+  counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
+  times the micro-batches in flight on the stage (1F1B: min(pp − stage, m)), plus the two
+  [B, S+T, d] pipeline buffers DeepSpeed keeps per micro-batch (received input, sent output),
+  plus the transient of the backward pass (one layer's worth, or one recomputed chunk).
+  With checkpointing a chunk keeps only its input h.
+* The last stage keeps the logits [B, T, V] and the fp32 log-softmax until backward.
+
+Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
+per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the point-to-point send),
+then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+from model.flops import layer_forward_flops
+
+GIB = 2**30
+
+# (name, memory GiB, dense peak TFLOP/s by precision, HBM GB/s, intra-node all-reduce bus GB/s per
+# GPU, inter-node GB/s per node, GPUs per node). Datasheet peaks; bus bandwidths are typical NCCL
+# all-reduce figures (DGX-1 hybrid cube mesh, DGX A100/H100 NVSwitch); inter-node: DGX-1 4×100 Gb/s
+# EDR, DGX A100 8×200 Gb/s HDR, DGX H100 8×400 Gb/s NDR.
+DEVICES: dict[str, dict] = {
+    "v100-32gb": dict(name="V100-SXM2-32GB", memory_gib=32, peak_tflops={"fp16": 125.0, "fp32": 15.7},
+                      hbm_gbs=900, intra_gbs=130, inter_node_gbs=50, gpus_per_node=8),
+    "a100-80gb": dict(name="A100-SXM4-80GB", memory_gib=80, peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+                      hbm_gbs=2039, intra_gbs=230, inter_node_gbs=200, gpus_per_node=8),
+    "h100-80gb": dict(name="H100-SXM5-80GB", memory_gib=80, peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+                      hbm_gbs=3350, intra_gbs=360, inter_node_gbs=400, gpus_per_node=8),
+}
+DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
+
+# The paper's models (DESIGN §1). This trainer ties source, target and output embeddings, so its
+# counts are below the paper's where the paper's imply separate tables (3.07B vs 3.2B, 3.70B vs 3.8B).
+NAMED_MODELS: dict[str, dict] = {
+    "deepnet-100-100-1024": dict(encoder_layers=100, decoder_layers=100, d_model=1024, heads=16, ffn_dim=4096,
+                                 vocab_size=128000),  # Table V, M2M-100's 128k vocabulary
+    "deepnet-500-500": dict(encoder_layers=500, decoder_layers=500, d_model=512, heads=8, ffn_dim=2048,
+                            vocab_size=64000),  # Table III, OPUS-100's 64k vocabulary
+    "deepnet-100-100": dict(encoder_layers=100, decoder_layers=100, d_model=512, heads=8, ffn_dim=2048,
+                            vocab_size=64000),
+    "deepnet-48-48": dict(encoder_layers=48, decoder_layers=48, d_model=512, heads=8, ffn_dim=2048, vocab_size=64000),
+    "base-6-6": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn_dim=2048),
+    "tiny-100-100": dict(encoder_layers=100, decoder_layers=100, d_model=64, heads=2, ffn_dim=128),
+}
+
+
+def named_model(name: str, vocab_size: int = 0) -> ModelConfig:
+    """A model of NAMED_MODELS; `vocab_size` fills in the shapes that take it from the data."""
+    if name not in NAMED_MODELS:
+        raise ValueError(f"unknown model {name!r}: give a YAML config path or one of {sorted(NAMED_MODELS)}")
+    return ModelConfig(**{"vocab_size": vocab_size, **NAMED_MODELS[name]})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator and how it is wired."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: dict
+    hbm_gbs: float
+    intra_gbs: float
+    inter_node_gbs: float
+    gpus_per_node: int
+    kind: str = "gpu"
+    """'cpu': dropout masks are float tensors (the fused bool-mask kernel is CUDA-only) and no
+    memory is reserved for a CUDA context."""
+
+    def usable_bytes(self) -> float:
+        """Memory a stage may plan for: 90% of the device (allocator fragmentation) minus 1.5 GiB
+        for the CUDA context and NCCL's buffers on GPUs."""
+        reserve = 0.0 if self.kind == "cpu" else 1.5 * GIB
+        return 0.9 * self.memory_gib * GIB - reserve
+
+
+def device(key: str, **overrides) -> Device:
+    if key not in DEVICES:
+        raise ValueError(f"--gpu {key!r}: choose one of {sorted(DEVICES)}")
+    return Device(**{**DEVICES[key], **overrides})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    pp: int
+    tp: int
+    dp: int
+    micro_batches: int
+    sequences: int
+    """Sequence pairs per micro-batch."""
+    src_len: int
+    tgt_len: int
+    checkpoint: int = 0
+    """Activation checkpoint interval in layers (0 = off)."""
+    precision: str = "bf16"
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    def describe(self) -> str:
+        ac = f"ac{self.checkpoint}" if self.checkpoint else "no-ac"
+        return (f"pp{self.pp}·tp{self.tp}·dp{self.dp} m={self.micro_batches} "
+                f"mb={self.sequences}×{self.src_len}/{self.tgt_len} {ac} {self.precision}")
+
+
+# Bytes per parameter of a stage's shard: (kept between steps, not divided by dp),
+# (kept, divided by dp under ZeRO-1), (extra at the optimizer step, not divided), (extra, divided).
+STATE_BYTES = {
+    # weights + grads | fp32 master + Adam m, v | ZeRO's reduce bucket | flat grad partition + Adam temp
+    "fp32": (8, 12, 4, 8),
+    # fp16 weights + grads | master + m, v | fp16 reduce bucket | fp16 and fp32 flat partitions + temp
+    "fp16": (4, 12, 2, 10),
+    # bf16 weights + bf16 grads + fp32 accumulation buffer | master + m, v | — | Adam temp
+    "bf16": (8, 12, 0, 4),
+}
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
+    """Layer-plan indices where stages start (pp + 1 bounds), from the trainer's cost model.
+
+    Small plans use DeepSpeed's own `partition_balanced`, exactly what the trainer runs. It is
+    O(layers² · pp) in Python (minutes for 1,000 layers), so large plans use the min-max cut
+    found by binary search on the heaviest stage, which is what step time depends on.
+    """
+    from parallel.pipeline import layer_costs
+
+    costs = layer_costs(cfg)
+    if len(costs) ** 2 * pp <= 5_000_000:
+        from deepspeed.runtime.utils import partition_balanced
+
+        return [int(b) for b in partition_balanced(costs, pp)]
+    lo, hi = max(costs), sum(costs)
+    while hi - lo > 1e-6 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _cuts(costs, mid, pp) is None else (lo, mid)
+    return _cuts(costs, hi, pp)
+
+
+def _cuts(costs: list[float], limit: float, pp: int) -> list[int] | None:
+    bounds, load = [0], 0.0
+    for i, c in enumerate(costs):
+        if load + c > limit or len(costs) - i < pp - len(bounds) + 1:
+            if len(bounds) == pp:
+                return None
+            bounds.append(i)
+            load = 0.0
+        load += c
+    bounds += [len(costs)] * (pp + 1 - len(bounds))
+    return bounds if len(bounds) == pp + 1 and all(a < b for a, b in zip(bounds, bounds[1:])) else None
+
+
+def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
+    from model.transformer import layer_plan
+
+    kinds = [layer.kind for layer in layer_plan(cfg)]
+    bounds = stage_bounds(cfg, pp)
+    return [kinds[bounds[s]:bounds[s + 1]] for s in range(pp)]
+
+
+def layer_params(cfg: ModelConfig, kind: str, tp: int = 1) -> float:
+    """Parameters of one plan layer on one tensor-parallel rank (LayerNorms replicated)."""
+    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
+    attention = 4 * d * d / tp + 3 * d / tp + d  # Q, K, V column-parallel; O row-parallel (bias whole)
+    ffn = 2 * d * f / tp + f / tp + d
+    if kind == "encoder":
+        return attention + ffn + 2 * 2 * d
+    if kind == "decoder":
+        return 2 * attention + ffn + 3 * 2 * d
+    if kind in ("embed", "output"):
+        return v * d / tp  # the tied embedding: on the first and on the last stage
+    return 2 * d  # final LayerNorm
+
+
+def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int, tgt_len: int,
+                           element: int, mask: int, tp: int = 1) -> float:
+    """Bytes autograd saves for one plan layer and one micro-batch (pipeline wrappers included).
+
+    Encoder layer, per source token: the layer input as three copies (Q, K and V each reshape
+    the non-contiguous slice of h), Q, K, V and the attention output, the attention's log-sum-exp
+    (H floats), the two LayerNorm inputs and the FFN input, the ReLU output (f), LayerNorm mean
+    and rstd (4 floats) and the float padding mask (1): e·(10d + f) + 4·(H + 5). A decoder layer,
+    per target token e·(14d + f) + 4·(2H + 6), and per source token e·4d + 4 (the cross-attention
+    K/V inputs and outputs). Dropout adds one mask per residual branch (and per FFN activation).
+    Tensors inside a tensor-parallel region (Q, K, V, attention output, ReLU output) are split.
+    """
+    d, f, h, v = cfg.d_model, cfg.ffn_dim, cfg.heads, cfg.vocab_size
+    ns, nt = sequences * src_len, sequences * tgt_len
+    res_mask = mask if cfg.dropout > 0 else 0
+    act_mask = mask * f / tp if cfg.activation_dropout > 0 else 0
+    if kind == "encoder":
+        per = element * (6 * d + (4 * d + f) / tp) + 4 * (5 + h / tp) + 2 * d * res_mask + act_mask
+        return ns * per
+    if kind == "decoder":
+        per_t = element * (8 * d + (6 * d + f) / tp) + 4 * (6 + 2 * h / tp) + 3 * d * res_mask + act_mask
+        per_s = element * (2 * d + 2 * d / tp) + 4
+        return nt * per_t + ns * per_s
+    if kind == "embed":
+        return (ns + nt) * (8 + d * res_mask)
+    if kind == "output":
+        # h slice copy, logits (kept by the engine until backward), fp32 log-softmax, labels
+        return nt * (element * d + v / tp * (element + 4) + 9)
+    return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
+
+
+def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> dict[str, float]:
+    """Peak bytes of one stage, by component, at whichever moment is larger (see module doc)."""
+    kinds = stage_kinds(cfg, layout.pp)[stage]
+    params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
+    kept, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
+    if layout.precision in ("fp16", "bf16") and dev.kind == "cpu":
+        raise ValueError("the planner models fp16/bf16 for GPUs only")
+    e = ELEMENT_BYTES[layout.precision]
+    mask = e if dev.kind == "cpu" else 1
+    b, s, t = layout.sequences, layout.src_len, layout.tgt_len
+    acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
+    h_bytes = b * (s + t) * cfg.d_model * e  # one [B, S+T, d] tensor
+    in_flight = min(layout.pp - stage, layout.micro_batches)
+    buffers = (stage > 0) * h_bytes + (stage < layout.pp - 1) * h_bytes
+    layered = [a for a, k in zip(acts, kinds) if k in ("encoder", "decoder")]
+    other = sum(a for a, k in zip(acts, kinds) if k not in ("encoder", "decoder"))
+    if layout.checkpoint and layered:
+        chunks = math.ceil(len(layered) / layout.checkpoint)
+        per_mb = chunks * h_bytes + other
+        transient = max(sum(layered[i:i + layout.checkpoint]) for i in range(0, len(layered), layout.checkpoint))
+    else:
+        per_mb = sum(layered) + other
+        transient = max(acts)
+    activations = in_flight * per_mb
+    comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
+    fwd_bwd = params * (kept + kept_dp / layout.dp) + activations + transient + comm
+    at_step = params * (kept + kept_dp / layout.dp + step + step_dp / layout.dp)
+    weights_and_grads = params * kept
+    return {"params": params, "weights_grads": weights_and_grads, "optimizer": params * kept_dp / layout.dp,
+            "activations": activations + transient, "buffers": comm, "step_extra": params * (step + step_dp / layout.dp),
+            "peak": max(fwd_bwd, at_step), "peak_phase": "forward/backward" if fwd_bwd >= at_step else "optimizer step"}
+
+
+def _allreduce_seconds(nbytes: float, ranks: int, gbs: float) -> float:
+    """Ring all-reduce: each rank moves 2·(n−1)/n of the buffer; 20 µs latency per hop pair."""
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / (gbs * 1e9) + 2 * (ranks - 1) * 20e-6
+
+
+def step_time(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> dict[str, float]:
+    """Estimated seconds per optimizer step and its parts (see module doc)."""
+    peak = dev.peak_tflops[layout.precision] * 1e12
+    e = ELEMENT_BYTES[layout.precision]
+    b, s, t = layout.sequences, layout.src_len, layout.tgt_len
+    per_stage = []
+    for kinds in stage_kinds(cfg, layout.pp):
+        fwd = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds)
+        recompute = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds if k in ("encoder", "decoder"))
+        flops = 3 * fwd + (recompute if layout.checkpoint else 0)
+        compute = flops / layout.tp / (peak * mfu)
+        # Megatron TP: 2 all-reduces of [B·len, d] per attention/FFN block, forward and backward.
+        blocks = sum(2 * s if k == "encoder" else 3 * t if k == "decoder" else 0 for k in kinds)
+        tp_comm = 2 * _allreduce_seconds(b * blocks * cfg.d_model * e, layout.tp, dev.intra_gbs)
+        per_stage.append((compute, tp_comm))
+    compute, tp_comm = max(per_stage, key=lambda x: x[0] + x[1])
+    # Stages on different nodes talk over the network; each GPU gets its share of the node's link.
+    ranks_per_stage = layout.tp * layout.dp
+    p2p_gbs = dev.intra_gbs if ranks_per_stage * layout.pp <= dev.gpus_per_node else dev.inter_node_gbs / dev.gpus_per_node
+    p2p = 2 * b * (s + t) * cfg.d_model * e / (p2p_gbs * 1e9) if layout.pp > 1 else 0.0
+    slot = compute + tp_comm + p2p
+    pipeline = (layout.micro_batches + layout.pp - 1) * slot
+    bubble = (layout.pp - 1) * slot
+    # Data parallel: fp32 gradient reduction (bf16 accumulates in fp32) + all-gather of weights.
+    params = max(sum(layer_params(cfg, k, layout.tp) for k in kinds) for kinds in stage_kinds(cfg, layout.pp))
+    grad_bytes = 2 if layout.precision == "fp16" else 4
+    dp_gbs = dev.intra_gbs if ranks_per_stage <= dev.gpus_per_node else dev.inter_node_gbs / dev.gpus_per_node
+    dp_comm = _allreduce_seconds(params * grad_bytes, layout.dp, dp_gbs) / 2 \
+        + _allreduce_seconds(params * e, layout.dp, dp_gbs) / 2  # reduce-scatter + all-gather
+    optimizer = params / layout.dp * 32 / (dev.hbm_gbs * 1e9)  # master, m, v, grad read+written
+    total = pipeline + dp_comm + optimizer
+    return {"total": total, "compute": (layout.micro_batches) * compute, "bubble": bubble,
+            "tp_comm": layout.micro_batches * tp_comm, "pp_comm": layout.micro_batches * p2p,
+            "dp_comm": dp_comm, "optimizer": optimizer,
+            "bubble_fraction": (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    layout: Layout
+    memory: list[dict]
+    time: dict
+    target_tokens_per_step: int
+    model_flops_per_step: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m["peak"] for m in self.memory)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.target_tokens_per_step / self.time["total"]
+
+    def mfu(self, dev: Device) -> float:
+        return self.model_flops_per_step / self.time["total"] / (dev.peak_tflops[self.layout.precision] * 1e12
+                                                                  * self.layout.world)
+
+
+def plan(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> Plan:
+    from model.flops import training_flops
+
+    stages = [stage_memory(cfg, layout, s, dev) for s in range(layout.pp)]
+    pairs = layout.sequences * layout.micro_batches * layout.dp
+    return Plan(layout, stages, step_time(cfg, layout, dev, mfu), pairs * layout.tgt_len,
+                pairs * training_flops(cfg, layout.src_len, layout.tgt_len))
+
+
+def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens: int, seq_len: int,
+                      microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None) -> list[Layout]:
+    """Every pp × tp × dp = gpus with tp inside a node dividing heads, FFN and vocabulary, every
+    micro-batch size, and checkpointing off/every layer. m follows from the global batch."""
+    n_layers = cfg.encoder_layers + cfg.decoder_layers + 2
+    out = []
+    for tp in (1, 2, 4, 8):
+        if tp > min(dev.gpus_per_node, max_tp or tp) or gpus % tp or any(x % tp for x in (cfg.heads, cfg.ffn_dim, cfg.vocab_size)):
+            continue
+        for pp in range(1, min(gpus // tp, n_layers) + 1):
+            if (gpus // tp) % pp:
+                continue
+            dp = gpus // tp // pp
+            for tokens in microbatch_tokens:
+                sequences = max(1, tokens // seq_len)
+                m = max(1, math.ceil(global_tokens / (dp * sequences * seq_len)))
+                for ckpt in (0, 1):
+                    out.append(Layout(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
+                                      tgt_len=seq_len, checkpoint=ckpt, precision=precision))
+    return out
+
+
+def search(cfg: ModelConfig, gpus: int, dev: Device, mfu: float, **kwargs) -> tuple[list[Plan], list[Plan]]:
+    """All candidate plans, split into (fitting, sorted fastest first) and (not fitting)."""
+    plans = [plan(cfg, layout, dev, mfu) for layout in candidate_layouts(cfg, gpus, dev, **kwargs)]
+    fits = sorted((p for p in plans if p.peak_bytes <= dev.usable_bytes()), key=lambda p: -p.tokens_per_s)
+    return fits, [p for p in plans if p.peak_bytes > dev.usable_bytes()]
+
+
+def with_vocab(cfg: ModelConfig, vocab: int) -> ModelConfig:
+    return dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab)
