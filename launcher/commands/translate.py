@@ -70,13 +70,9 @@ class Translator:
     """A loaded model and its SentencePiece model: text in, text out, any target per line."""
 
     def __init__(self, loaded) -> None:
-        import torch
-
         from data.spm import Tokenizer
 
-        # GPUs when there are any (and run.sh did not choose the CPU); the search follows the model.
-        use_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
-        self.model = loaded.model.to("cuda" if use_gpu else "cpu")
+        self.model = loaded.model.to("cuda" if on_gpu() else "cpu")  # the search follows the model
         self.meta = loaded.meta
         self.spm_sha256 = hashlib.sha256(loaded.spm_model).hexdigest()
         with tempfile.TemporaryDirectory() as tmp:  # SentencePiece reads the model into memory
@@ -124,12 +120,18 @@ def load_translator(source: str, tag: str | None = None) -> Translator:
     return Translator(load_model(source, tag))
 
 
+def on_gpu() -> bool:
+    """Decode on a GPU when there is one and run.sh did not choose the CPU accelerator."""
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+
+
 def threads() -> str:
     """The compute the decoding ran on, for speed reports."""
     import torch
 
-    return "GPU" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu" else \
-        f"{torch.get_num_threads()} CPU thread(s)"
+    return "GPU" if on_gpu() else f"{torch.get_num_threads()} CPU thread(s)"
 
 
 def progress_bar(total: int, what: str):
