@@ -105,6 +105,20 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def write_tables(prefix: str, header: str, rows: list[dict], columns: list[str], sigs: dict[str, str],
+                 notes: list[str]) -> str:
+    """<prefix>.md (table, signatures, notes) and <prefix>.csv; returns the Markdown table."""
+    table = markdown(rows, columns)
+    footer = "".join(f"- {name}: `{sig}`\n" for name, sig in sigs.items()) + "".join(f"- {n}\n" for n in notes)
+    _write(prefix + ".md", f"{header}\n\n{table}\n\n{footer}")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["direction", "sentences", *columns])
+    writer.writeheader()
+    writer.writerows({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
+    _write(prefix + ".csv", buffer.getvalue())
+    return table
+
+
 def _write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -170,16 +184,9 @@ def evaluate(translator, sets: dict, options, spbleu: str, out_dir: str, log=pri
         sigs = signatures(chosen)
         speed = {"sentences": len(texts), "seconds": seconds, "sentences_per_s": len(texts) / seconds,
                  "tokens_per_s": generated / seconds, "beam": options.beam, "on": threads()}
-        table = markdown(rows, columns)
-        header = (f"# {split}: {len(by_direction)} directions, beam {options.beam}, lenpen {options.lenpen}\n\n")
-        footer = "\n\n" + "\n".join(f"- {name}: `{sig}`" for name, sig in sigs.items()) + "\n"
-        _write(os.path.join(out_dir, f"{split}.md"), header + table + footer + "".join(f"- {n}\n" for n in notes))
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=["direction", "sentences", *columns])
-        writer.writeheader()
-        writer.writerows({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows)
-        _write(os.path.join(out_dir, f"{split}.csv"), buffer.getvalue())
-        log(f"\n{header}{table}")
+        header = f"# {split}: {len(by_direction)} directions, beam {options.beam}, lenpen {options.lenpen}"
+        table = write_tables(os.path.join(out_dir, split), header, rows, columns, sigs, notes)
+        log(f"\n{header}\n\n{table}")
         for name, sig in sigs.items():
             log(f"{name} signature: {sig}")
         log(f"decoded {len(texts)} sentences in {seconds:.1f} s: {speed['sentences_per_s']:.1f} sentences/s, "
