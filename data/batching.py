@@ -159,17 +159,24 @@ class BatchStream:
             lo, hi = want * k // self.windows, want * (k + 1) // self.windows
             if hi <= lo:
                 continue
-            rows = draws(int(self.dataset.direction_sizes[d]), lo, hi, (self.seed, epoch, int(d)))
+            # Tags 1 and 2 keep this stream apart from the bucketing shuffle's (and from the
+            # SentencePiece sample's (seed, 7, language)).
+            rows = draws(int(self.dataset.direction_sizes[d]), lo, hi, (self.seed, epoch, int(d), 1))
             s, t = self.dataset.lengths(int(d), rows)
             ids.append(self.dataset.offsets[d] + rows)
             src.append(s)
             tgt.append(t)
         return np.concatenate(ids), np.concatenate(src), np.concatenate(tgt)
 
+    def window_plan(self, epoch: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
+        """:meth:`window_examples` plus the window's batches as positions into those arrays."""
+        ids, src, tgt = self.window_examples(epoch, k)
+        return ids, src, tgt, bucket_batches(src, tgt, self.max_tokens, (self.seed, epoch, k, 2))
+
     def window_batches(self, epoch: int, k: int) -> list[np.ndarray]:
         """Global batches (example ids) of window ``k`` of ``epoch``."""
-        ids, src, tgt = self.window_examples(epoch, k)
-        return [ids[b] for b in bucket_batches(src, tgt, self.max_tokens, (self.seed, epoch, k))]
+        ids, _, _, batches = self.window_plan(epoch, k)
+        return [ids[b] for b in batches]
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """All batches of ``epoch`` (every window: for small corpora and tests)."""
@@ -233,8 +240,8 @@ def epoch_stats(stream: BatchStream, epoch: int = 0, max_windows: int | None = N
     batches = examples = src_tokens = tgt_tokens = src_slots = tgt_slots = 0
     sizes, widths = [], []
     for k in range(windows):
-        ids, src, tgt = stream.window_examples(epoch, k)
-        for batch in bucket_batches(src, tgt, stream.max_tokens, (stream.seed, epoch, k)):
+        ids, src, tgt, plan = stream.window_plan(epoch, k)
+        for batch in plan:
             s, t = src[batch], tgt[batch]
             batches += 1
             examples += len(batch)

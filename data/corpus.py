@@ -1,7 +1,7 @@
 """Reading parallel text from the corpus layouts users have.
 
-``data.corpus`` names a folder; every file below it (top level or one sub-folder deep) whose name
-follows one of these patterns is part of the corpus:
+``data.corpus`` names a folder; every file below it (at any depth) whose name follows one of these
+patterns is part of the corpus:
 
 - OPUS-100: ``opus.<a>-<b>-<split>.<a>`` and ``opus.<a>-<b>-<split>.<b>`` (line-aligned), or one
   ``opus.<a>-<b>-<split>.tsv`` whose lines are ``<a text>\\t<b text>``; split is train/dev/test.
@@ -22,6 +22,7 @@ import numpy as np
 from data.errors import DataError
 
 SPLITS = ("train", "dev", "test")
+BLOCK_BYTES = 1 << 24  # read size when indexing lines: large enough for numpy to pay off
 _OPUS = re.compile(r"^opus\.([^-./]+)-([^-./]+)-(train|dev|test)\.([^-./]+)$")
 _PLAIN = re.compile(r"^(train|dev|valid|test)\.([^-./]+)-([^-./]+)\.([^-./]+)$")
 # ISO 639-1/639-3 code, then optional subtags for script or region: de, ast, pt_BR, zh_Hans,
@@ -72,16 +73,13 @@ def _match(filename: str) -> tuple[str, str, str, str] | None:
 
 
 def _candidates(corpus_dir: str) -> Iterator[str]:
-    for name in sorted(os.listdir(corpus_dir)):
-        path = os.path.join(corpus_dir, name)
-        if name.startswith("."):
-            continue
-        if os.path.isdir(path):
-            for inner in sorted(os.listdir(path)):
-                if not inner.startswith(".") and os.path.isfile(os.path.join(path, inner)):
-                    yield os.path.join(path, inner)
-        elif os.path.isfile(path):
-            yield path
+    """Every file below ``corpus_dir``, hidden ones left out, in a fixed order. Any depth, so
+    that OPUS-100's release folder (``supervised/``, ``zero-shot/``) can be given as it is."""
+    for folder, subfolders, files in os.walk(corpus_dir):
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for name in sorted(files):
+            if not name.startswith("."):
+                yield os.path.join(folder, name)
 
 
 def list_pairs(corpus_dir: str) -> list[CorpusPair]:
@@ -162,7 +160,7 @@ def line_offsets(path: str, every: int) -> tuple[int, list[int]]:
     bytes, so indexing a corpus costs about as much as reading it."""
     count, offsets, position = 0, [0], 0
     with open(path, "rb") as handle:
-        while block := handle.read(1 << 24):
+        while block := handle.read(BLOCK_BYTES):
             ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)
             # Line k·every starts right after newline number k·every - 1.
             first = -(-count // every) * every

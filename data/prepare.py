@@ -31,10 +31,10 @@ from itertools import groupby
 
 from data.binarize import binarize_shard, load_stats, shard_done, token_dtype
 from data.config import BUNDLED_DJANGO, GETTEXT_PREFIX, DataConfig
-from data.corpus import SPLITS, corpus_languages, list_pairs, select_pairs
+from data.corpus import SPLITS, CorpusPair, corpus_languages, list_pairs, select_pairs
 from data.errors import DataError
 from data.gettext_corpus import build_django_corpus, build_gettext_corpus, find_catalogs
-from data.shards import output_prefix, plan_shards, shard_from_dict
+from data.shards import Shard, output_prefix, plan_shards, shard_from_dict
 from data.spm import load_tokenizer, train_spm, write_sample
 from data.validate import (
     build_report,
@@ -333,7 +333,15 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     return manifest
 
 
-def split_index(pairs, tags, directions, shards, stats, split, out_dir) -> dict:
+def split_index(
+    pairs: list[CorpusPair],
+    tags: list[list[int]],
+    directions: list[str],
+    shards: list[Shard],
+    stats: dict[str, dict],
+    split: str,
+    out_dir: str,
+) -> dict:
     """What :class:`data.dataset.PairDataset` reads (``<split>.shards.json``): per pair its tag
     ids and non-empty shards, paths relative to ``out_dir``."""
     entries = [{"name": pair.name, "langs": list(pair.langs), "tags": tags[k], "shards": []}

@@ -22,8 +22,13 @@ _STATE: dict[str, Any] = {}
 
 
 def worker_count(requested: int) -> int:
-    """``requested`` workers, or one per core when it is 0."""
-    return requested if requested > 0 else (os.cpu_count() or 1)
+    """``requested`` workers, or one per core this process may run on when it is 0 (a SLURM job
+    or container may be given fewer cores than the machine has)."""
+    if requested > 0:
+        return requested
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _die_with_parent(parent: int) -> None:

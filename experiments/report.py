@@ -103,9 +103,8 @@ def part1_tables(part1: list[dict]) -> list[str]:
         ratio = finals[-1] / finals[0] if finals[0] and finals[-1] is not None else None
         lines.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + f" | {_fmt(ratio)} |")
         grows = all(x is not None for x in finals) and all(b > a for a, b in zip(finals, finals[1:]))
-        verdicts.append(f"- {LABELS.get(s, s)}: ‖ΔF‖ at step {last} "
-                        f"{'increases with every depth step' if grows else 'does not increase monotonically with depth'}"
-                        f" ({' → '.join(_fmt(x) for x in finals)}).")
+        trend = "increases with every depth step" if grows else "does not increase monotonically with depth"
+        verdicts.append(f"- {LABELS.get(s, s)}: ‖ΔF‖ at step {last} {trend} ({' → '.join(_fmt(x) for x in finals)}).")
     lines += ["", "Largest residual LayerNorm input ‖x‖₂ over all layers at step "
               f"{last} (√d = 8 for d = 64):", "", head.replace(f" | {depths[-1]}L / {depths[0]}L |", " |"),
               "|---|" + "---|" * len(depths)]
@@ -126,10 +125,11 @@ def part2_table(part2: list[dict]) -> list[str]:
     for r in part2:
         s = r["spec"]
         losses = [x["loss"] for x in r["rows"] if "loss" in x][-20:]
+        mean_loss = sum(losses) / len(losses) if losses else None
         deltas = [x["delta_f"] for x in r["rows"] if "delta_f" in x and math.isfinite(x["delta_f"])]
         lns = [x["ln_input_max"] for x in r["rows"] if "ln_input_max" in x and math.isfinite(x["ln_input_max"])]
         lines.append(f"| {s['depth']}L-{s['depth']}L {LABELS.get(s['strategy'], s['strategy'])} | {s['warmup']} | "
-                     f"{s['status']} | {s['diverged_at'] or '—'} | {_fmt(sum(losses) / len(losses) if losses else None)}"
+                     f"{s['status']} | {s['diverged_at'] or '—'} | {_fmt(mean_loss)}"
                      f" | {_fmt(s.get('final_dev_loss'))} | {_fmt(s.get('unigram_dev_loss'))} | "
                      f"{_fmt(max(deltas) if deltas else None)} | {_fmt(max(lns) if lns else None)} |")
     return lines

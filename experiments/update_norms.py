@@ -25,7 +25,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from data.batching import BatchStream, PairDataset, eval_batches
 from data.config import DataConfig
@@ -115,8 +114,9 @@ def _layer_summary(values: dict[str, float], depth: int, prefix: str) -> dict[st
         return {}
     enc = [values[f"encoder_layers.{i}"] for i in range(depth)]
     dec = [values[f"decoder_layers.{i}"] for i in range(depth)]
+    both = enc + dec
     return {f"{prefix}_enc_first": enc[0], f"{prefix}_enc_last": enc[-1], f"{prefix}_dec_first": dec[0],
-            f"{prefix}_dec_last": dec[-1], f"{prefix}_max": max(enc + dec), f"{prefix}_mean": sum(enc + dec) / len(enc + dec)}
+            f"{prefix}_dec_last": dec[-1], f"{prefix}_max": max(both), f"{prefix}_mean": sum(both) / len(both)}
 
 
 def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
@@ -196,8 +196,8 @@ def specs(quick: bool) -> list[Spec]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.report import write_outputs
     from data.prepare import prepare_data
+    from experiments.report import write_outputs
 
     parser = argparse.ArgumentParser(prog="run.sh experiment update-norms", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/update-norms", help="where the CSV, PNG and tables go")

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from launcher.config import RunConfig, load_config, to_dict  # noqa: E402
-from model.norms import set_training_step  # noqa: E402
+from model.norms import set_training_step, step_blocks  # noqa: E402
 from parallel import rng  # noqa: E402
 
 
@@ -112,7 +112,8 @@ class Trainer:
             self.resume()
         # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
         # with the step on resume.
-        set_training_step(self.module, self.step)
+        self.step_blocks = step_blocks(self.module)
+        set_training_step(self.step_blocks, self.step)
         self.stability = None
         if cfg.train.instrument_interval > 0:
             from launcher.stability import StabilityLogger
@@ -174,13 +175,13 @@ class Trainer:
         batches = self.stream.next_step(m * self.dp)
         total = sum(int(b["ntokens"]) for b in batches)
         mine = to_pipe(batches[self.dp_rank * m:(self.dp_rank + 1) * m], m * self.dp, total)
-        set_training_step(self.module, self.step)
+        set_training_step(self.step_blocks, self.step)
         start = time.perf_counter()
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
             loss = self.engine.train_batch(iter(mine))
         elapsed = time.perf_counter() - start
         self.step += 1
-        set_training_step(self.module, self.step)
+        set_training_step(self.step_blocks, self.step)
         if self.stability:
             self.stability.after_step(self.step, grads)
         norm = self.engine.get_global_grad_norm()

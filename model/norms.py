@@ -147,11 +147,17 @@ class BranchNormResidual(Residual):
         return self.norm(x + self.dropout(y))
 
 
-def set_training_step(model: nn.Module, step: int) -> None:
-    """Tell every step-dependent block of `model` (BranchNorm) the current optimizer step."""
-    for module in model.modules():
-        if isinstance(module, BranchNormResidual):
-            module.set_step(step)
+def step_blocks(model: nn.Module) -> list[BranchNormResidual]:
+    """The blocks of `model` whose function depends on the optimizer step (BranchNorm's)."""
+    return [module for module in model.modules() if isinstance(module, BranchNormResidual)]
+
+
+def set_training_step(model: nn.Module | list[BranchNormResidual], step: int) -> None:
+    """Tell every step-dependent block the current optimizer step. Pass `step_blocks(model)`
+    instead of the model when calling every step: walking a 1000-layer model's ~20k modules
+    costs milliseconds, the list nothing (it is empty for the other strategies)."""
+    for block in step_blocks(model) if isinstance(model, nn.Module) else model:
+        block.set_step(step)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
   counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
   times the micro-batches in flight on the stage (1F1B: min(pp − stage, m)), plus the two
   [B, S+T, d] pipeline buffers DeepSpeed keeps per micro-batch (received input, sent output),
-  plus the transient of the backward pass (one layer's worth, or one recomputed chunk).
-  With checkpointing a chunk keeps only its input h.
+  plus the previous micro-batch's buffers that DeepSpeed has not yet overwritten,
+  plus the transient of the backward pass (one layer's worth of gradients, a recomputed chunk
+  under checkpointing, or the loss's gradients of the logits). With checkpointing a chunk keeps
+  only its input h.
 * The last stage keeps the logits [B, T, V] and the fp32 log-softmax until backward.
 
 Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
@@ -235,14 +237,25 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     buffers = (stage > 0) * h_bytes + (stage < layout.pp - 1) * h_bytes
     layered = [a for a, k in zip(acts, kinds) if k in ("encoder", "decoder")]
     other = sum(a for a, k in zip(acts, kinds) if k not in ("encoder", "decoder"))
+    # Backward scratch: a layer's gradients mirror what it saved; the loss needs the fp32
+    # gradient of the log-softmax and the gradient of the logits at once.
+    scratch = max(layered, default=0.0)
+    loss_scratch = b * t * cfg.vocab_size / layout.tp * (4 + e) if "output" in kinds else 0.0
     if layout.checkpoint and layered:
-        chunks = math.ceil(len(layered) / layout.checkpoint)
-        per_mb = chunks * h_bytes + other
-        transient = max(sum(layered[i:i + layout.checkpoint]) for i in range(0, len(layered), layout.checkpoint))
+        k = layout.checkpoint
+        per_mb = math.ceil(len(layered) / k) * h_bytes + other  # a chunk keeps only its input h
+        recompute = max(sum(layered[i:i + k]) for i in range(0, len(layered), k))
+        transient = max(recompute + scratch, loss_scratch)
     else:
         per_mb = sum(layered) + other
-        transient = max(acts)
+        transient = max(scratch, loss_scratch)
     activations = in_flight * per_mb
+    # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
+    # with one micro-batch in flight the previous one's output (the logits, on the last stage)
+    # and received input are still held.
+    stale = max(0, min(max(2, in_flight), layout.micro_batches) - in_flight)
+    kept_output = b * t * cfg.vocab_size / layout.tp * e if stage == layout.pp - 1 else h_bytes
+    activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     fwd_bwd = params * (kept + kept_dp / layout.dp) + activations + transient + comm
     at_step = params * (kept + kept_dp / layout.dp + step + step_dp / layout.dp)

@@ -15,7 +15,7 @@ import torch
 
 from launcher.cli import main as cli
 from parallel.checkpoints import CheckpointError, load_model
-from tests.conftest import launch, write_run_config
+from tests.conftest import TINY_DATA, launch, write_run_config
 
 STEPS, SAVE_AT = 4, 2
 
@@ -78,6 +78,23 @@ def test_universal_checkpoint_consolidates_to_the_same_weights(trained):
     original = load_model(trained["run_dir"], tag=f"step{SAVE_AT}").model.state_dict()
     for name, value in universal.model.state_dict().items():
         assert torch.equal(original[name], value), name
+
+
+def test_tensor_parallel_shards_consolidate_to_the_pipelines_model(trained):
+    from data.batching import PairDataset, eval_batches
+    from model.transformer import smoothed_loss_sum
+
+    run_dir = trained["run_dir"] + "-tp2"
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "step2", "layer_01-model_01-model_states.pt"))
+    loaded = load_model(run_dir)
+    cfg = loaded.model.cfg
+    total = tokens = 0.0
+    with torch.no_grad():
+        for batch in eval_batches(PairDataset(os.path.join(run_dir, "data", "dev")), TINY_DATA["max_tokens"]):
+            logits = loaded.model(batch["src"], batch["tgt_in"])
+            total += smoothed_loss_sum(logits, batch["tgt_out"], cfg.pad_id, cfg.label_smoothing).item()
+            tokens += batch["ntokens"]
+    assert total / tokens == pytest.approx(trained["result"]["tp2_valid_loss"], rel=1e-5)
 
 
 def test_files_that_need_code_to_load_are_refused(tmp_path):

@@ -180,3 +180,49 @@ def test_gettext_importer_reads_po_and_mo_catalogs(tmp_path):
     manifest = prepare_data(cfg, str(tmp_path / "out"), log=lambda _: None)
     assert manifest["directions"] == ["en-de", "de-en", "en-fr", "fr-en"]
     assert np.sum(list(manifest["counts"]["train"].values())) > 1000
+
+
+def test_line_index_matches_a_plain_reading_across_block_boundaries(tmp_path, monkeypatch):
+    from data import corpus
+
+    rng = np.random.default_rng(0)
+    lines = [b"x" * int(n) for n in rng.integers(0, 9, size=200)]
+    for name, ending, last in (("lf", b"\n", b"\n"), ("crlf", b"\r\n", b"\r\n"), ("open", b"\n", b"")):
+        path = tmp_path / name
+        path.write_bytes(ending.join(lines) + last)
+        starts = np.cumsum([0] + [len(x) + len(ending) for x in lines])[:-1]
+        for block in (5, 7, 1 << 24):
+            monkeypatch.setattr(corpus, "BLOCK_BYTES", block)
+            for every in (1, 3, 50, 200, 1000):
+                count, offsets = corpus.line_offsets(str(path), every)
+                assert count == 200 and offsets == starts[::every].tolist(), (name, block, every)
+        assert corpus.read_lines(str(path), int(starts[17]), 3) == lines[17:20]
+
+
+def test_bucketed_deduplication_equals_a_plain_first_occurrence_pass(tmp_path, monkeypatch):
+    from data import validate
+    from data.shards import Shard
+
+    rng = np.random.default_rng(1)
+    shards = [Shard(pair=0, name="en-de", split="train", number=k, first_line=1000 * k,
+                    lines=1000, files=("unused",), offsets=(0,)) for k in range(3)]
+    values = (rng.integers(1, 900, size=3000).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    reasons = np.where(rng.random(3000) < 0.1, validate.CODE["empty"], 0).astype(np.uint8)
+    for work in ("one", "bucketed"):
+        for k, shard in enumerate(shards):
+            prefix = validate.work_prefix(str(tmp_path / work), "check", shard)
+            validate.save_atomic(prefix + ".reasons.npy", reasons[1000 * k:1000 * (k + 1)])
+            validate.save_atomic(prefix + ".hash.npy", values[1000 * k:1000 * (k + 1)])
+    validate.deduplicate(shards, str(tmp_path / "one"))
+    monkeypatch.setattr(validate, "DEDUP_BUCKET", 300)  # → 16 hash-range buckets
+    validate.deduplicate(shards, str(tmp_path / "bucketed"))
+    seen, expected = set(), reasons.copy()
+    for i, value in enumerate(values.tolist()):
+        if reasons[i] == 0:
+            if value in seen:
+                expected[i] = validate.CODE["duplicate"]
+            seen.add(value)
+    for work in ("one", "bucketed"):
+        got = np.concatenate([np.load(validate.final_path(str(tmp_path / work), s)) for s in shards])
+        assert np.array_equal(got, expected), work
+    assert (expected == validate.CODE["duplicate"]).sum() > 1500

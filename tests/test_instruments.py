@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model.config import ModelConfig
-from model.instruments import (GradNorms, LayerNormInputs, ProbeMonitor, model_layers, probe_masks, update_norm)
+from model.instruments import GradNorms, LayerNormInputs, ProbeMonitor, model_layers, probe_masks, update_norm
 from model.layers import source_mask
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 

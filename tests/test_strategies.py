@@ -7,8 +7,17 @@ import torch.nn.functional as F
 
 from model.config import ModelConfig
 from model.decoding import IncrementalDecoder
-from model.norms import (STRATEGIES, BranchNormResidual, PostNormResidual, PreNormResidual, branchnorm_mix,
-                         deepnorm_constants, resolve, set_training_step, subln_constants)
+from model.norms import (
+    STRATEGIES,
+    BranchNormResidual,
+    PostNormResidual,
+    PreNormResidual,
+    branchnorm_mix,
+    deepnorm_constants,
+    resolve,
+    set_training_step,
+    subln_constants,
+)
 from model.transformer import EncoderDecoder
 
 ALL = sorted(STRATEGIES)

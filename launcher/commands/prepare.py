@@ -25,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     out = args.out or os.path.join(cfg.run_dir, "data")
     print(f"config {args.config} → {out}", flush=True)
-    prepare_data(cfg.data, out, progress=not args.no_progress)
+    try:
+        prepare_data(cfg.data, out, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: run the same command again to resume ({out} keeps the finished "
+              "shards)", flush=True)
+        return 130
 
     # What training will see: a first epoch of the configured batching, from lengths only.
     stream = BatchStream(PairDataset(split_prefix(out, "train")), cfg.data.max_tokens,

@@ -5,11 +5,14 @@
 2. Run the trained pipeline on the first dev batch and keep its logits (last stage).
 3. Rank 0 reshards the `--save-at` checkpoint to pp=1 × dp=2 with `./run.sh convert reshard`;
    both ranks resume it with the real Trainer in that layout and record the remaining losses.
+4. Train the same model tensor-parallel (pp=1 × tp=2) for 2 steps, checkpoint it and record its
+   validation loss, for the consolidation of tensor-parallel shards.
 Rank 0 writes the losses to `--out` (JSON), the last stage the logits to `--out`.logits.pt.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -64,6 +67,18 @@ def main() -> None:
     result["resumed_from"] = second.step
     result["resumed_layout"] = [second.engine.num_stages, second.dp, second.cfg.train.micro_batches]
     result["resumed"] = losses(second, args.steps)
+
+    tp_cfg = copy.deepcopy(cfg)
+    tp_cfg.run_dir = cfg.run_dir + "-tp2"
+    tp_cfg.parallel.pipeline_stages, tp_cfg.parallel.tensor_parallel = 1, 2
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(tp_cfg.run_dir)
+        os.symlink(os.path.realpath(os.path.join(cfg.run_dir, "data")), os.path.join(tp_cfg.run_dir, "data"))
+    torch.distributed.barrier()
+    third = Trainer(tp_cfg, max_steps=2)
+    losses(third, 2)
+    third.save()
+    result["tp2_valid_loss"] = third.validate()
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,0 +1,164 @@
+"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb: which layout, how fast, how long."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from launcher.config import ConfigError
+
+HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from parallel.planner import DEVICES, NAMED_MODELS
+
+    parser.add_argument("model", help=f"a YAML run config, or one of {', '.join(NAMED_MODELS)}")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpu", required=True, choices=sorted(DEVICES), help="GPU type")
+    parser.add_argument("--nodes", type=int, help="nodes (default: GPUs / 8); GPUs per node = gpus / nodes")
+    parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
+    parser.add_argument("--mfu", type=float, default=0.35,
+                        help="assumed fraction of peak the kernels reach, before bubble and communication (0.35)")
+    parser.add_argument("--global-batch-tokens", type=int, default=2**20,
+                        help="target tokens per optimizer step (default 1,048,576)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
+    parser.add_argument("--microbatch-tokens", default="1024,2048,4096,8192",
+                        help="target tokens per micro-batch to try, comma-separated")
+    parser.add_argument("--tokens", type=float, help="training budget in target tokens")
+    parser.add_argument("--flops", type=float, help="training budget in model FLOPs (e.g. 5.2e21)")
+    parser.add_argument("--intra-bw", type=float, help="intra-node all-reduce bus bandwidth per GPU, GB/s")
+    parser.add_argument("--inter-bw", type=float, help="inter-node bandwidth per node, GB/s")
+    parser.add_argument("--top", type=int, default=8, help="rows in the table (8)")
+    parser.add_argument("--markdown", help="also write the table and the explanation to this file")
+
+
+def load_model(spec: str):
+    """A named shape, or the model section of a YAML run config (vocabulary from its data section)."""
+    from parallel.planner import named_model
+
+    if os.path.exists(spec):
+        from launcher.config import load_config
+
+        cfg = load_config(spec)
+        model = cfg.model
+        model.vocab_size = model.vocab_size or cfg.data.vocab_size
+        return model
+    try:
+        model = named_model(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if model.vocab_size <= 0:
+        raise ConfigError(f"model {spec!r} takes its vocabulary from the data; give a YAML config instead")
+    return model
+
+
+def params_of(model) -> float:
+    from parallel.planner import layer_params
+
+    return (model.encoder_layers * layer_params(model, "encoder") + model.decoder_layers * layer_params(model, "decoder")
+            + layer_params(model, "embed"))
+
+
+def explain(fits: list, too_big: list, dev) -> list[str]:
+    """Why the best plan wins: what it fits in, what the alternatives would cost."""
+    best = fits[0]
+    lay = best.layout
+    worst = max(best.memory, key=lambda m: m["peak"])
+    gib = 2**30
+    lines = [f"Best: {lay.describe()} — {best.tokens_per_s:,.0f} target tokens/s, MFU {best.mfu(dev):.1%}."]
+    lines.append(f"- Memory: its heaviest stage needs {worst['peak'] / gib:.1f} GiB of {dev.usable_bytes() / gib:.1f} "
+                 f"usable (weights+grads {worst['weights_grads'] / gib:.1f}, optimizer {worst['optimizer'] / gib:.1f}, "
+                 f"activations {worst['activations'] / gib:.1f}, buffers {worst['buffers'] / gib:.1f}; peak in the "
+                 f"{worst['peak_phase']}).")
+    t = best.time
+    lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
+                 f"({t['bubble_fraction']:.1%} = (p−1)/(m+p−1)), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
+                 f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
+    smaller_pp = [p for p in too_big if p.layout.pp < lay.pp and p.layout.tp == lay.tp]
+    if smaller_pp:
+        p = min(smaller_pp, key=lambda p: p.peak_bytes)
+        lines.append(f"- Fewer stages do not fit: the leanest such plan ({p.layout.describe()}) needs "
+                     f"{p.peak_bytes / gib:.1f} GiB per GPU.")
+    for label, pick in (("with activation checkpointing" if not lay.checkpoint else "without checkpointing",
+                         lambda p: bool(p.layout.checkpoint) != bool(lay.checkpoint)),
+                        ("with a different tensor-parallel size", lambda p: p.layout.tp != lay.tp),
+                        ("with a different pipeline depth", lambda p: p.layout.pp != lay.pp)):
+        alt = next((p for p in fits if pick(p)), None)
+        if alt is not None:
+            lines.append(f"- Best plan {label}: {alt.layout.describe()}, {alt.tokens_per_s / best.tokens_per_s - 1:+.1%} "
+                         "throughput.")
+    return lines
+
+
+def table(plans: list, dev, budget: tuple[str, float] | None) -> list[str]:
+    head = "| layout | peak GiB/GPU | step s | bubble | target tok/s | MFU |"
+    if budget:
+        head += " days |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in plans:
+        row = (f"| {p.layout.describe()} | {p.peak_bytes / 2**30:.1f} | {p.time['total']:.2f} | "
+               f"{p.time['bubble_fraction']:.1%} | {p.tokens_per_s:,.0f} | {p.mfu(dev):.1%} |")
+        if budget:
+            kind, amount = budget
+            seconds = amount / p.tokens_per_s if kind == "tokens" else amount / (p.model_flops_per_step / p.time["total"])
+            row += f" {seconds / 86400:.1f} |"
+        lines.append(row)
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    from parallel.planner import DEFAULT_PRECISION, device, search
+
+    if args.gpus < 1:
+        raise ConfigError("--gpus must be >= 1")
+    if args.tokens and args.flops:
+        raise ConfigError("give --tokens or --flops, not both")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError("--mfu must be in (0, 1]")
+    model = load_model(args.model)
+    overrides = {}
+    if args.nodes:
+        if args.gpus % args.nodes:
+            raise ConfigError(f"--nodes {args.nodes} must divide --gpus {args.gpus}")
+        overrides["gpus_per_node"] = args.gpus // args.nodes
+    if args.intra_bw:
+        overrides["intra_gbs"] = args.intra_bw
+    if args.inter_bw:
+        overrides["inter_node_gbs"] = args.inter_bw
+    dev = device(args.gpu, **overrides)
+    precision = args.precision or DEFAULT_PRECISION[args.gpu]
+    if precision not in dev.peak_tflops or precision == "fp32":
+        raise ConfigError(f"--precision {precision}: {dev.name} trains in {DEFAULT_PRECISION[args.gpu]}")
+    try:
+        mb_tokens = tuple(int(x) for x in args.microbatch_tokens.split(","))
+    except ValueError:
+        raise ConfigError("--microbatch-tokens: comma-separated integers, e.g. 2048,4096") from None
+    fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
+                           seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
+    from model.flops import training_flops
+
+    per_token = training_flops(model, args.seq_len, args.seq_len) / args.seq_len
+    budget = ("tokens", args.tokens) if args.tokens else ("flops", args.flops) if args.flops else None
+    out = [f"Projection for {args.model} ({params_of(model) / 1e9:.2f}B parameters, {per_token / 1e9:.1f} GFLOPs "
+           f"per target token at {args.seq_len}+{args.seq_len} tokens) on {args.gpus} × {dev.name} "
+           f"({dev.gpus_per_node} per node), {precision}, assumed kernel MFU {args.mfu:.0%}, global batch "
+           f"{args.global_batch_tokens:,} target tokens.", ""]
+    if budget:
+        what = f"{budget[1]:.3g} target tokens" if budget[0] == "tokens" else f"{budget[1]:.3g} model FLOPs"
+        out += [f"Days for {what}.", ""]
+    if not fits:
+        leanest = min(too_big, key=lambda p: p.peak_bytes)
+        out.append(f"No layout fits: the leanest ({leanest.layout.describe()}) needs "
+                   f"{leanest.peak_bytes / 2**30:.1f} GiB per GPU of {dev.usable_bytes() / 2**30:.1f} usable.")
+    else:
+        out += table(fits[:args.top], dev, budget) + [""] + explain(fits, too_big, dev)
+    out.append(f"\n{len(fits)} of {len(fits) + len(too_big)} candidate layouts fit.")
+    text = "\n".join(out)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    return 0 if fits else 1
+
+
