@@ -40,6 +40,7 @@ case "$cmd" in
     ;;
   help|-h|--help)
     sed -n '2,6p' "$0"
+    exec "$VENV/bin/python" -m launcher.cli --help
     ;;
   *)
     exec "$VENV/bin/python" -m launcher.cli "$cmd" "$@"

@@ -75,7 +75,7 @@ class DataConfig:
     counts as 5); pairs beyond it are dropped (``length_ratio``) as misaligned or partial
     translations. Counted in SentencePiece pieces because characters are not comparable across
     scripts (one Chinese character carries about as much as three or four Latin ones). On the
-    bundled corpus a plain ratio of 4 without the floor dropped 52 good pairs such as
+    bundled corpus a plain ratio of 4 without the floor dropped 16 good pairs such as
     "September" → "Сентябрь" (1 vs 7 pieces); with it, none."""
 
     shard_size: int = 1_000_000

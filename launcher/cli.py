@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished work is kept and a rerun continues from it", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
