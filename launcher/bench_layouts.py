@@ -188,7 +188,7 @@ def bench(args: argparse.Namespace) -> int:
     work = os.path.join(out, "work")
     os.makedirs(work, exist_ok=True)
     base = load_config(config)
-    data_dir = os.path.join(out, "data")
+    data_dir = os.path.abspath(os.path.join(base.run_dir, "data"))  # where `./run.sh train` prepares it
     prepare_data(base.data, data_dir, log=lambda msg: print(msg, flush=True))
     env = Environment.probe({layout["precision"] for layout in layouts})
     print(env.describe(), flush=True)
@@ -200,7 +200,8 @@ def bench(args: argparse.Namespace) -> int:
             print(f"note: {layout['name']} runs {world} ranks on {os.cpu_count()} cores; its times are oversubscribed")
         print(f"running {layout['name']} ({world} rank{'s' * (world > 1)}) ...", flush=True)
         result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
-        row = summarize(result, env, load_config(config, {"model": model}).model)
+        threads = int(launch_env(world)["OMP_NUM_THREADS"])
+        row = summarize(result, env, load_config(config, {"model": model}).model, threads)
         rows.append(row)
         print("  " + row["summary"], flush=True)
     paths = write_outputs(rows, env, out, {"config": config, "model": model, "warmup": warmup, "steps": steps})

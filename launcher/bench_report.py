@@ -85,16 +85,22 @@ def largest_microbatch(result: dict, warmup: int) -> tuple[int, int, int]:
 
 def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment) -> list[float] | None:
     """The planner's peak bytes per stage for this layout and micro-batch (CPU fp32 only)."""
-    from parallel.planner import Device, Layout, stage_memory
+    from parallel.planner import cpu_device, stage_memory
 
     if env.device_kind != "cpu" or layout["precision"] != "fp32":
-        return None  # measured on GPU the allocator peak is its own check; CPU bf16 is not modelled
-    dev = Device(name="cpu", memory_gib=env.memory_bytes / 2**30, peak_tflops={}, hbm_gbs=0, intra_gbs=0,
-                 inter_node_gbs=0, gpus_per_node=1, kind="cpu")
-    plan_layout = Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
-                         sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                         precision=layout["precision"])
+        return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
+    dev = cpu_device(env.peaks["fp32"], env.memory_bytes)
+    plan_layout = planner_layout(layout, shape)
     return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
+
+
+def planner_layout(layout: dict, shape: tuple[int, int, int]):
+    """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
+    from parallel.planner import Layout
+
+    return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
+                  sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
+                  precision=layout["precision"])
 
 
 def measured_bubble(result: dict, warmup: int) -> float:
@@ -108,7 +114,22 @@ def measured_bubble(result: dict, warmup: int) -> float:
     return statistics.fmean(values)
 
 
-def summarize(result: dict, env: Environment, model: ModelConfig) -> dict:
+CPU_ASSUMED_MFU = 0.5
+"""Kernel efficiency the planner assumes for its CPU step-time estimate; the estimate is meant for
+ranking layouts (tests/test_planner.py), the absolute value depends on this guess."""
+
+
+def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment,
+                   threads_per_rank: int) -> float | None:
+    from parallel.planner import cpu_device, step_time
+
+    if env.device_kind != "cpu" or layout["precision"] != "fp32":
+        return None
+    dev = cpu_device(env.peaks["fp32"] * threads_per_rank / env.cores, env.memory_bytes)
+    return step_time(model, planner_layout(layout, shape), dev, CPU_ASSUMED_MFU)["total"]
+
+
+def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_rank: int = 1) -> dict:
     layout = result["layout"]
     warmup = layout["warmup"]
     model = ModelConfig(**{**asdict(model), "vocab_size": result["vocab_size"]})
@@ -144,6 +165,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig) -> dict:
         "bubble_measured": measured_bubble(result, warmup), "bubble_theory": (pp - 1) / (m + pp - 1),
         "stage_peak_mb": [p / MB for p in stage_peaks],
         "stage_predicted_mb": [p / MB for p in predicted] if predicted else None,
+        "planner_step_s": predicted_step(model, layout, shape, env, threads_per_rank),
         "largest_microbatch": list(shape), "padding": 1 - real / padded if padded else 0.0,
         "params": [r["params"] for r in result["ranks"]], "last_loss": steps[-1]["loss"],
     }
@@ -164,16 +186,18 @@ def _pct(x: float | None) -> str:
 def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
     lines = [f"Device: {env.describe()}.", "",
              f"Config `{spec['config']}`, model overrides {spec['model'] or 'none'}; {spec['warmup']} warm-up + "
-             f"{spec['steps']} measured steps per layout.", "",
-             "| layout | ranks | target tok/s | step s (median, min–max) | model TFLOP/s | MFU | HFU "
-             "| bubble measured / theory | peak MB per stage, measured (planner) | padding |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{spec['steps']} measured steps per layout. Planner step time assumes kernels at "
+             f"{CPU_ASSUMED_MFU:.0%} of each rank's share of the peak (for ranking layouts).", "",
+             "| layout | ranks | target tok/s | step s (median, min–max) | planner step s | model TFLOP/s | MFU "
+             "| HFU | bubble measured / theory | peak MB per stage, measured (planner) | padding |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         predicted = r["stage_predicted_mb"] or [None] * len(r["stage_peak_mb"])
         memory = " / ".join(f"{m:.0f}" + (f" ({p:.0f})" if p is not None else "")
                             for m, p in zip(r["stage_peak_mb"], predicted))
+        planned = "n/a" if r["planner_step_s"] is None else f"{r['planner_step_s']:.2f}"
         lines.append(f"| {r['layout']} | {r['ranks']} | {r['target_tokens_per_s']:.0f} | {r['step_s_median']:.2f} "
-                     f"({r['step_s_min']:.2f}–{r['step_s_max']:.2f}) | {r['model_tflops']:.4f} | {_pct(r['mfu'])} "
+                     f"({r['step_s_min']:.2f}–{r['step_s_max']:.2f}) | {planned} | {r['model_tflops']:.4f} | {_pct(r['mfu'])} "
                      f"| {_pct(r['hfu'])} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
                      f"| {_pct(r['padding'])} |")
     profiled = [r for r in rows if "profile" in r]

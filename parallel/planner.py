@@ -25,6 +25,7 @@ then the data-parallel gradient reduction and the optimizer step, which DeepSpee
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -91,6 +92,13 @@ class Device:
         return 0.9 * self.memory_gib * GIB - reserve
 
 
+def cpu_device(peak_flops_per_rank: float, memory_bytes: float) -> Device:
+    """This machine as the planner sees it when checking itself against CPU runs: one rank is
+    one 'device' with its share of the cores; gloo over loopback and DRAM are a few GB/s."""
+    return Device(name="cpu", memory_gib=memory_bytes / GIB, peak_tflops={"fp32": peak_flops_per_rank / 1e12},
+                  hbm_gbs=20, intra_gbs=2, inter_node_gbs=2, gpus_per_node=10**6, kind="cpu")
+
+
 def device(key: str, **overrides) -> Device:
     if key not in DEVICES:
         raise ValueError(f"--gpu {key!r}: choose one of {sorted(DEVICES)}")
@@ -144,7 +152,7 @@ def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
     from parallel.pipeline import layer_costs
 
     costs = layer_costs(cfg)
-    if len(costs) ** 2 * pp <= 5_000_000:
+    if len(costs) ** 2 * pp <= 200_000:
         from deepspeed.runtime.utils import partition_balanced
 
         return [int(b) for b in partition_balanced(costs, pp)]
@@ -169,8 +177,15 @@ def _cuts(costs: list[float], limit: float, pp: int) -> list[int] | None:
 
 
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
+    """The plan-layer kinds of each stage (cached: the planner asks for every stage of every layout)."""
+    return _stage_kinds(tuple(sorted(dataclasses.asdict(cfg).items())), pp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_kinds(key: tuple, pp: int) -> list[list[str]]:
     from model.transformer import layer_plan
 
+    cfg = ModelConfig(**dict(key))
     kinds = [layer.kind for layer in layer_plan(cfg)]
     bounds = stage_bounds(cfg, pp)
     return [kinds[bounds[s]:bounds[s + 1]] for s in range(pp)]
@@ -258,10 +273,11 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     fwd_bwd = params * (kept + kept_dp / layout.dp) + activations + transient + comm
-    at_step = params * (kept + kept_dp / layout.dp + step + step_dp / layout.dp)
-    weights_and_grads = params * kept
-    return {"params": params, "weights_grads": weights_and_grads, "optimizer": params * kept_dp / layout.dp,
-            "activations": activations + transient, "buffers": comm, "step_extra": params * (step + step_dp / layout.dp),
+    # ZeRO's reduce bucket holds at most reduce_bucket_size (DeepSpeed's default 5e8) elements.
+    step_extra = min(params, 5e8) * step + params * step_dp / layout.dp
+    at_step = params * (kept + kept_dp / layout.dp) + step_extra
+    return {"params": params, "weights_grads": params * kept, "optimizer": params * kept_dp / layout.dp,
+            "activations": activations + transient, "buffers": comm, "step_extra": step_extra,
             "peak": max(fwd_bwd, at_step), "peak_phase": "forward/backward" if fwd_bwd >= at_step else "optimizer step"}
 
 

@@ -75,9 +75,9 @@ def explain(fits: list, too_big: list, dev) -> list[str]:
     lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
                  f"({t['bubble_fraction']:.1%} = (p−1)/(m+p−1)), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
                  f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
-    smaller_pp = [p for p in too_big if p.layout.pp < lay.pp and p.layout.tp == lay.tp]
-    if smaller_pp:
-        p = min(smaller_pp, key=lambda p: p.peak_bytes)
+    shallower = [p for p in too_big if p.layout.pp < lay.pp]
+    if shallower and not any(p.layout.pp < lay.pp for p in fits):
+        p = min(shallower, key=lambda p: p.peak_bytes)
         lines.append(f"- Fewer stages do not fit: the leanest such plan ({p.layout.describe()}) needs "
                      f"{p.peak_bytes / gib:.1f} GiB per GPU.")
     for label, pick in (("with activation checkpointing" if not lay.checkpoint else "without checkpointing",

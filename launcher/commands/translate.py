@@ -44,7 +44,7 @@ def idle_cores() -> int:
     """Cores this process may use minus the 1-minute load average, at least 1.
 
     Decoding is a long series of small matrix products, and OpenMP threads spin while they wait
-    for each other: on a 2-core machine busy with other work, 2 threads decoded 10× slower than 1.
+    for each other: on a 2-core machine busy with other work, 2 threads decoded 4–9× slower than 1.
     On an idle machine every core is used.
     """
     cores = len(os.sched_getaffinity(0))
