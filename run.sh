@@ -36,7 +36,9 @@ cmd=${1:-help}
 case "$cmd" in
   test)
     if [ $# -eq 0 ]; then set -- tests; fi
-    exec "$VENV/bin/python" -m pytest -q "$@"
+    # A private temporary root: concurrent pytest sessions of the same user otherwise prune each
+    # other's numbered folders (pytest keeps the newest three) while tests still use them.
+    exec "$VENV/bin/python" -m pytest -q --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
     ;;
   help|-h|--help)
     sed -n '2,6p' "$0"
