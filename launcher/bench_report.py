@@ -4,7 +4,8 @@ Definitions (the README repeats them):
   target tokens/s   non-padding target tokens of the measured steps / their summed step time
   model TFLOP/s     model/flops.py on the real lengths of every pair / step time
   MFU, HFU          model FLOP/s (resp. hardware FLOP/s: padded shapes + recomputation) / peak
-                    of all devices used (CPU: the matmul probe of the whole machine)
+                    of all devices used (GPU: datasheet × GPUs; CPU: matmul probe of the cores
+                    the ranks use, ranks × OMP threads)
   bubble measured   per rank: 1 − (forward + backward time) / (step time − gradient reduction −
                     optimizer step), averaged over ranks and measured steps; theory (p−1)/(m+p−1)
   memory            per stage, the largest peak above the process baseline among its replicas
@@ -30,7 +31,9 @@ class Environment:
     cores: int
     memory_bytes: int
     peaks: dict = field(default_factory=dict)
-    """FLOP/s per precision: the whole machine on CPU, one device on GPUs (None when unknown)."""
+    """FLOP/s per precision: all cores on CPU, one device on GPUs (None when unknown)."""
+    core_peaks: dict = field(default_factory=dict)
+    """CPU: FLOP/s of one thread per precision, for layouts that use fewer cores than the machine."""
     load_average: tuple = ()
 
     @classmethod
@@ -45,22 +48,32 @@ class Environment:
             name = torch.cuda.get_device_name(0)
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
             peaks = {p: (table["peak_tflops"].get(p, 0) * 1e12 if table else None) for p in precisions}
-            return cls("gpu", name, cores, torch.cuda.get_device_properties(0).total_memory, peaks, os.getloadavg())
+            return cls("gpu", name, cores, torch.cuda.get_device_properties(0).total_memory, peaks, {}, os.getloadavg())
         from launcher.bench_layouts import matmul_peak
 
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        load = os.getloadavg()
         peaks = {p: matmul_peak(dtypes[p], cores) for p in sorted(precisions)}
-        return cls("cpu", _cpu_name(), cores, psutil.virtual_memory().total, peaks, os.getloadavg())
+        core_peaks = {p: matmul_peak(dtypes[p], 1) for p in sorted(precisions)}
+        return cls("cpu", _cpu_name(), cores, psutil.virtual_memory().total, peaks, core_peaks, load)
 
-    def peak_total(self, precision: str, world: int) -> float | None:
+    def peak_total(self, precision: str, world: int, threads_per_rank: int = 1) -> float | None:
+        """Peak of what a layout runs on: `world` GPUs, or on CPU the cores its ranks use
+        (all cores: the all-core probe; fewer: the one-thread probe times the cores used)."""
         peak = self.peaks.get(precision)
         if peak is None:
             return None
-        return peak if self.device_kind == "cpu" else peak * world
+        if self.device_kind != "cpu":
+            return peak * world
+        used = world * threads_per_rank
+        return peak if used >= self.cores else min(peak, self.core_peaks[precision] * used)
 
     def describe(self) -> str:
         peaks = ", ".join(f"{p} {v / 1e12:.3f} TFLOP/s" if v else f"{p} unknown" for p, v in self.peaks.items())
-        what = "matmul probe, all cores" if self.device_kind == "cpu" else "datasheet, per device"
+        what = "datasheet, per device"
+        if self.device_kind == "cpu":
+            one = ", ".join(f"{v / 1e12:.3f}" for v in self.core_peaks.values())
+            what = f"2048² matmul probe, all cores; one thread {one}"
         load = " ".join(f"{x:.1f}" for x in self.load_average)
         return (f"{self.device_name} ({self.cores} cores, {self.memory_bytes / 2**30:.0f} GiB); "
                 f"peak {peaks} ({what}); load average before: {load}")
@@ -125,7 +138,7 @@ def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int]
 
     if env.device_kind != "cpu" or layout["precision"] != "fp32":
         return None
-    dev = cpu_device(env.peaks["fp32"] * threads_per_rank / env.cores, env.memory_bytes)
+    dev = cpu_device(env.peak_total("fp32", 1, threads_per_rank), env.memory_bytes)
     return step_time(model, planner_layout(layout, shape), dev, CPU_ASSUMED_MFU)["total"]
 
 
@@ -147,7 +160,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
             padded += n * (s + t)
             real += sum(b["src_lens"]) + sum(b["tgt_lens"])
     world = len(result["ranks"])
-    peak = env.peak_total(layout["precision"], world)
+    peak = env.peak_total(layout["precision"], world, threads_per_rank)
     pp = layout["pp"]
     m = layout["micro_batches"]
     stage_peaks = [max(r["peak_bytes"] - r["baseline_bytes"] for r in result["ranks"] if r["stage"] == s)
@@ -157,7 +170,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
     row = {
         "layout": layout["name"], "pp": pp, "tp": layout.get("tp", 1), "dp": layout["dp"],
         "max_tokens": layout["max_tokens"], "micro_batches": m, "ac": layout["ac"], "precision": layout["precision"],
-        "ranks": world, "steps": len(steps), "target_tokens_per_s": tokens / total_time,
+        "ranks": world, "threads_per_rank": threads_per_rank, "steps": len(steps), "target_tokens_per_s": tokens / total_time,
         "step_s_median": statistics.median(seconds), "step_s_min": min(seconds), "step_s_max": max(seconds),
         "model_tflops": model_flops / total_time / 1e12,
         "mfu": utilization(model_flops, total_time, peak) if peak else None,
