@@ -34,20 +34,32 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 
 
 def plot_part1(part1: list[dict], path: str) -> None:
+    """One panel per strategy, one line per depth: linear axis as the paper (top), log (bottom)."""
     strategies = list(dict.fromkeys(r["spec"]["strategy"] for r in part1))
     depths = sorted({r["spec"]["depth"] for r in part1})
     colors = dict(zip(depths, plt.cm.viridis([i / max(len(depths) - 1, 1) for i in range(len(depths))])))
-    fig, axes = plt.subplots(1, len(strategies), figsize=(3.2 * len(strategies), 3.3), sharey=True)
-    for ax, strategy in zip(axes, strategies):
+    fig, axes = plt.subplots(2, len(strategies), figsize=(3.2 * len(strategies), 6.2), sharey="row", squeeze=False)
+    for col, strategy in enumerate(strategies):
         for r in sorted((r for r in part1 if r["spec"]["strategy"] == strategy), key=lambda r: r["spec"]["depth"]):
             d = r["spec"]["depth"]
-            ax.plot(*_series(r, "delta_f"), marker="o", markersize=2.5, color=colors[d], label=f"{d}L-{d}L")
-        ax.set_title(LABELS.get(strategy, strategy), fontsize=10)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("‖ΔF‖ (RMS per target token, logits)")
-    axes[-1].legend(fontsize=8, title="64-128-2", title_fontsize=8)
-    fig.suptitle("Model update ‖F(x, θ_t) − F(x, θ_0)‖ at the start of training (cf. DeepNet Fig. 4)", fontsize=11)
+            steps, delta = _series(r, "delta_f")
+            for ax in axes[:, col]:
+                ax.plot(steps, delta, marker="o", markersize=2.5, color=colors[d], label=f"{d}L-{d}L")
+            if any("delta_f_schedule" in row for row in r["rows"]):  # BranchNorm: λ_t's own share
+                for ax in axes[:, col]:
+                    ax.plot(*_series(r, "delta_f_schedule"), linestyle="--", linewidth=1, color=colors[d])
+        axes[0, col].set_title(LABELS.get(strategy, strategy), fontsize=10)
+        if any("delta_f_schedule" in row for r in part1 if r["spec"]["strategy"] == strategy for row in r["rows"]):
+            axes[1, col].text(0.03, 0.03, "dashed: λ_t alone, θ_0 frozen", transform=axes[1, col].transAxes, fontsize=7)
+        axes[1, col].set_yscale("log", nonpositive="mask")
+        axes[1, col].set_xlabel("step")
+        for ax in axes[:, col]:
+            ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("‖ΔF‖")
+    axes[1, 0].set_ylabel("‖ΔF‖ (log scale)")
+    axes[0, -1].legend(fontsize=8, title="64-128-2", title_fontsize=8)
+    fig.suptitle("Model update ‖F(x, θ_t) − F(x, θ_0)‖ (decoder output, RMS per target token) at the start "
+                 "of training (cf. DeepNet Fig. 4)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -111,10 +123,11 @@ def part1_tables(part1: list[dict]) -> list[str]:
     for s in strategies:
         cells = [_fmt(_at(by[(s, d)], "ln_input_max", last)) if (s, d) in by else "—" for d in depths]
         lines.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + " |")
-    lines += ["", "Training loss at step " f"{last}:", "", head.replace(f" | {depths[-1]}L / {depths[0]}L |", " |"),
-              "|---|" + "---|" * len(depths)]
+    lines += ["", f"Gradient norm of the last decoder layer at step 1 / step {last} (cf. the paper's Fig. 2):", "",
+              head.replace(f" | {depths[-1]}L / {depths[0]}L |", " |"), "|---|" + "---|" * len(depths)]
     for s in strategies:
-        cells = [_fmt(_at(by[(s, d)], "loss", last)) if (s, d) in by else "—" for d in depths]
+        grad = lambda d, step: _fmt(_at(by[(s, d)], "layer_grad_dec_last", step))  # noqa: E731
+        cells = [f"{grad(d, 1)} / {grad(d, last)}" if (s, d) in by else "—" for d in depths]
         lines.append(f"| {LABELS.get(s, s)} | " + " | ".join(cells) + " |")
     return lines + ["", "Measured trend:", ""] + verdicts
 

@@ -8,15 +8,21 @@ batch along the way, with the LayerNorm input sizes and per-layer gradient norms
 Part 2 (paper Tables I and XI): 50L-50L models trained longer with and without DeepNorm; which
 diverge (non-finite loss) or stall (dev loss no better than predicting target-token frequencies).
 
-Both parts use the same recipe, chosen before running and the same for every strategy: AdamW
-β = (0.9, 0.98), lr 5e-4, no weight decay, no clipping, dropout 0.1, label smoothing 0.1, one
-256-token batch per step. "No warm-up" means the full lr from step 1 (held constant, as is the
-lr after a warm-up here: these runs are far shorter than any decay). Runs are single-process
-(plain model) and independent, so they are spread over `--workers` processes of one thread each.
+Recipe, the same for every strategy: AdamW β = (0.9, 0.98), peak lr 5e-4, no weight decay, no
+clipping, dropout 0.1, label smoothing 0.1, one 256-token batch per step, seed 1.
+  * Part 1 uses the warm-up of fairseq's IWSLT'14 recipe (the data set of the paper's Fig. 4):
+    lr rises linearly to 5e-4 over 4000 steps, so the first 40 steps see lr ≤ 5e-6. (Without
+    warm-up, ‖ΔF‖ of every strategy saturated near √2·‖F‖ — an output unrelated to the initial
+    one — within about ten steps, which hides any dependence on depth; see docs/update-norms.md.)
+  * Part 2 uses no warm-up at all (the full lr from step 1, then constant: these runs are far
+    shorter than any decay), the harshest setting, for both arms.
+Runs are single-process (plain model) and independent, so they are spread over `--workers`
+processes of one thread each.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -30,23 +36,25 @@ from data.batching import BatchStream, PairDataset, eval_batches
 from data.config import DataConfig
 from model.config import ModelConfig
 from model.instruments import ProbeMonitor
-from model.norms import set_training_step
+from model.norms import set_training_step, step_blocks
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 
 DEPTHS = (6, 18, 50, 100)
 PART1_STRATEGIES = ("postln", "preln", "deepnorm", "subln", "branchnorm")
-PART1_STEPS = 60
-PART1_MEASURE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 40, 45, 50, 55, 60)
+PART1_STEPS = 40
+PART1_WARMUP = 4000
+PART1_MEASURE = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 35, 40)
 PART2_DEPTH = 50
-PART2_STEPS = 400
-PART2_ARMS = (("postln", 0), ("deepnorm", 0), ("postln", 100))
-"""(strategy, warm-up steps): Post-LN and DeepNorm without warm-up, and Post-LN with warm-up
-(whether warm-up alone rescues Post-LN at this depth)."""
+PART2_STEPS = 300
+PART2_ARMS = (("postln", 0), ("deepnorm", 0))
+"""(strategy, warm-up steps): Post-LN and DeepNorm, both without warm-up."""
 PART2_EVAL_EVERY = 100
 LR = 5e-4
 MAX_TOKENS = 256
-BRANCHNORM_T = 100
-"""BranchNorm's T for part 1 (longer than the 60 steps, so λ_t ≤ 0.6 throughout)."""
+BRANCHNORM_T = PART1_WARMUP
+"""BranchNorm's T: relaxed to Post-LN over the warm-up, as the model's defaults pair them. Its
+λ_t changes the function even with frozen weights, so BranchNorm runs also record that part of
+‖ΔF‖ alone (`delta_f_schedule`: the initial weights evaluated at λ_t against λ_0)."""
 STALL_MARGIN = 0.1
 """A run stalls if its final dev loss is not at least this much below the unigram baseline."""
 DEV_SENTENCES = 200
@@ -131,6 +139,8 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
     stream = BatchStream(train, MAX_TOKENS, seed=spec.seed, temperature=1.5)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     monitor = ProbeMonitor(model, probe, cfg.pad_id)
+    frozen = copy.deepcopy(model) if step_blocks(model) else None
+    schedule = ProbeMonitor(frozen, probe, cfg.pad_id) if frozen is not None else None
     rows, status, diverged_at = [], "trains", None
     dev = _dev_subset(dev_all) if spec.eval_every else []
     for step in range(spec.steps + 1):
@@ -157,6 +167,9 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
         if step in spec.measure_at or (spec.eval_every and step % spec.eval_every == 0) or step == spec.steps:
             m = monitor.measure()
             row["delta_f"] = m["delta_f"]
+            if schedule is not None:
+                set_training_step(frozen, step)
+                row["delta_f_schedule"] = schedule.measure()["delta_f"]
             row.update(_layer_summary(m["ln_input"], spec.depth, "ln_input"))
         if dev and (step % spec.eval_every == 0 or step == spec.steps):
             row["dev_loss"] = dev_loss(model, dev)
@@ -187,7 +200,7 @@ def specs(quick: bool) -> list[Spec]:
     """Every run of both parts (`quick`: a minutes-long smoke version with shallow models)."""
     depths = (2, 4) if quick else DEPTHS
     steps1 = 6 if quick else PART1_STEPS
-    out = [Spec(1, s, d, steps1, measure_at=tuple(x for x in PART1_MEASURE if x <= steps1))
+    out = [Spec(1, s, d, steps1, warmup=PART1_WARMUP, measure_at=tuple(x for x in PART1_MEASURE if x <= steps1))
            for s in PART1_STRATEGIES for d in depths]
     depth2, steps2 = (4, 20) if quick else (PART2_DEPTH, PART2_STEPS)
     out += [Spec(2, s, depth2, steps2, warmup=w if not quick else min(w, 5),

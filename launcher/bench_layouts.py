@@ -2,7 +2,7 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32]
-                         [--warmup 2] [--steps 5] [--model NAME] [--out DIR] [--profile]
+                         [--warmup 2] [--steps 5] [--model NAME] [--out DIR] [--work-dir DIR] [--profile]
 
 Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, help="untimed steps per layout (default 2)")
     parser.add_argument("--steps", type=int, help="measured steps per layout (default 5)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    parser.add_argument("--work-dir", help="run directories and logs of the layouts (default OUT/work)")
     parser.add_argument("--profile", action="store_true", help="profile one extra step of single-process layouts")
     args = parser.parse_args(argv)
     try:
@@ -185,7 +186,7 @@ def bench(args: argparse.Namespace) -> int:
     config, model, layouts, warmup, steps = build_grid(args)
     worlds = {layout["name"]: check_layout(config, model, layout) for layout in layouts}
     out = os.path.abspath(args.out)
-    work = os.path.join(out, "work")
+    work = os.path.abspath(args.work_dir or os.path.join(out, "work"))
     os.makedirs(work, exist_ok=True)
     base = load_config(config)
     data_dir = os.path.abspath(os.path.join(base.run_dir, "data"))  # where `./run.sh train` prepares it
@@ -202,6 +203,7 @@ def bench(args: argparse.Namespace) -> int:
         result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
         threads = int(launch_env(world)["OMP_NUM_THREADS"])
         row = summarize(result, env, load_config(config, {"model": model}).model, threads)
+        row["load_after"] = os.getloadavg()[0]  # other processes on the machine skew times
         rows.append(row)
         print("  " + row["summary"], flush=True)
     paths = write_outputs(rows, env, out, {"config": config, "model": model, "warmup": warmup, "steps": steps})

@@ -17,7 +17,9 @@ the same process would start on top of the first one's parameters and optimizer 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -28,10 +30,10 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
+import psutil
+import torch
 
-from launcher.config import load_config  # noqa: E402
+from launcher.config import load_config
 
 # Layout keys → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
@@ -45,26 +47,26 @@ def _on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
-def prime_process(data_dir: str) -> None:
+def prime_process(cfg) -> None:
     """Pay the process's one-time costs before the baseline is taken, so that the baseline is
-    'a process that can train' and the peak above it is the layout's own memory. Measured here:
-    the first AdamW step imports torch._dynamo (+74 MB RSS), opening the first IndexedDataset
-    +134 MB (lazy imports; a second one costs nothing), the first matmuls and LayerNorms start
-    thread pools and kernel caches (+10 MB), DeepSpeed's monitors import TensorBoard."""
-    import deepspeed.runtime.pipe.engine  # noqa: F401
-    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
+    'a process that can train this layout' and the peak above it is the model's own memory.
 
-    import data.batching  # noqa: F401  (imports megatron-core's IndexedDataset)
-    import data.prepare  # noqa: F401
-    import launcher.train  # noqa: F401
-    import parallel.pipeline  # noqa: F401
+    One step of the same layout with a 1-layer, d = 4·heads model runs the same code: lazy
+    imports (the first AdamW step imports torch._dynamo, +74 MB RSS; opening the first dataset
+    +134 MB; model code paths imported ~600 modules, +43 MB), thread pools, kernel caches,
+    process groups. What that tiny engine keeps (DeepSpeed never frees one) is a few hundred kB.
+    """
+    from launcher.train import Trainer
 
-    data.batching.PairDataset(os.path.join(data_dir, "train"))
-    layer = torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
-    optimizer = torch.optim.AdamW(layer.parameters())
-    layer(torch.randn(2, 8, 32)).sum().backward()
-    optimizer.step()
+    tiny = copy.deepcopy(cfg)
+    layers = max(1, cfg.parallel.pipeline_stages)
+    width = 4 * cfg.model.heads
+    tiny.model = dataclasses.replace(cfg.model, encoder_layers=layers, decoder_layers=layers, d_model=width,
+                                     ffn_dim=2 * width)
+    tiny.run_dir = cfg.run_dir + "-prime"
+    tiny.train.max_steps = 1
+    Trainer(tiny).train_step()
+    torch.distributed.barrier()
 
 
 def reset_peak_memory() -> int:
@@ -170,11 +172,13 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     rank = torch.distributed.get_rank()
     run_dir = os.path.join(work_dir, layout["name"])
     if rank == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.makedirs(run_dir)
-        os.symlink(os.path.abspath(data_dir), os.path.join(run_dir, "data"))
+        for path in (run_dir, run_dir + "-prime"):
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            os.symlink(os.path.abspath(data_dir), os.path.join(path, "data"))
     torch.distributed.barrier()
     cfg = layout_config(base_config, layout, run_dir, model_overrides)
+    prime_process(cfg)
     baseline = reset_peak_memory()
     trainer = Trainer(cfg)
     timers = instrument(trainer.engine)
@@ -214,7 +218,6 @@ def main() -> None:
     from parallel.engine import setup_distributed
 
     setup_distributed()
-    prime_process(args.data_dir)
     with open(args.layout) as f:
         spec = json.load(f)
     result = run_layout(args.config, spec["layout"], args.work_dir, args.data_dir, spec.get("model", {}),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -39,27 +40,30 @@ GIB = 2**30
 # all-reduce figures (DGX-1 hybrid cube mesh, DGX A100/H100 NVSwitch); inter-node: DGX-1 4×100 Gb/s
 # EDR, DGX A100 8×200 Gb/s HDR, DGX H100 8×400 Gb/s NDR.
 DEVICES: dict[str, dict] = {
-    "v100-32gb": dict(name="V100-SXM2-32GB", memory_gib=32, peak_tflops={"fp16": 125.0, "fp32": 15.7},
-                      hbm_gbs=900, intra_gbs=130, inter_node_gbs=50, gpus_per_node=8),
-    "a100-80gb": dict(name="A100-SXM4-80GB", memory_gib=80, peak_tflops={"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
-                      hbm_gbs=2039, intra_gbs=230, inter_node_gbs=200, gpus_per_node=8),
-    "h100-80gb": dict(name="H100-SXM5-80GB", memory_gib=80, peak_tflops={"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-                      hbm_gbs=3350, intra_gbs=360, inter_node_gbs=400, gpus_per_node=8),
+    "v100-32gb": {"name": "V100-SXM2-32GB", "memory_gib": 32, "peak_tflops": {"fp16": 125.0, "fp32": 15.7},
+                  "hbm_gbs": 900, "intra_gbs": 130, "inter_node_gbs": 50, "gpus_per_node": 8},
+    "a100-80gb": {"name": "A100-SXM4-80GB", "memory_gib": 80,
+                  "peak_tflops": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+                  "hbm_gbs": 2039, "intra_gbs": 230, "inter_node_gbs": 200, "gpus_per_node": 8},
+    "h100-80gb": {"name": "H100-SXM5-80GB", "memory_gib": 80,
+                  "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+                  "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
 # The paper's models (DESIGN §1). This trainer ties source, target and output embeddings, so its
 # counts are below the paper's where the paper's imply separate tables (3.07B vs 3.2B, 3.70B vs 3.8B).
+_BIG = {"d_model": 512, "heads": 8, "ffn_dim": 2048, "vocab_size": 64000}  # OPUS-100's 64k vocabulary
 NAMED_MODELS: dict[str, dict] = {
-    "deepnet-100-100-1024": dict(encoder_layers=100, decoder_layers=100, d_model=1024, heads=16, ffn_dim=4096,
-                                 vocab_size=128000),  # Table V, M2M-100's 128k vocabulary
-    "deepnet-500-500": dict(encoder_layers=500, decoder_layers=500, d_model=512, heads=8, ffn_dim=2048,
-                            vocab_size=64000),  # Table III, OPUS-100's 64k vocabulary
-    "deepnet-100-100": dict(encoder_layers=100, decoder_layers=100, d_model=512, heads=8, ffn_dim=2048,
-                            vocab_size=64000),
-    "deepnet-48-48": dict(encoder_layers=48, decoder_layers=48, d_model=512, heads=8, ffn_dim=2048, vocab_size=64000),
-    "base-6-6": dict(encoder_layers=6, decoder_layers=6, d_model=512, heads=8, ffn_dim=2048),
-    "tiny-100-100": dict(encoder_layers=100, decoder_layers=100, d_model=64, heads=2, ffn_dim=128),
+    # Table V; M2M-100's 128k vocabulary
+    "deepnet-100-100-1024": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 1024, "heads": 16,
+                             "ffn_dim": 4096, "vocab_size": 128000},
+    "deepnet-500-500": {"encoder_layers": 500, "decoder_layers": 500, **_BIG},  # Table III, 3.8B
+    "deepnet-100-100": {"encoder_layers": 100, "decoder_layers": 100, **_BIG},  # Table III, 863M
+    "deepnet-48-48": {"encoder_layers": 48, "decoder_layers": 48, **_BIG},  # Table IV
+    # CPU efficiency (issue 8): vocabulary from the data
+    "base-6-6": {"encoder_layers": 6, "decoder_layers": 6, "d_model": 512, "heads": 8, "ffn_dim": 2048},
+    "tiny-100-100": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 64, "heads": 2, "ffn_dim": 128},
 }
 
 
@@ -173,7 +177,7 @@ def _cuts(costs: list[float], limit: float, pp: int) -> list[int] | None:
             load = 0.0
         load += c
     bounds += [len(costs)] * (pp + 1 - len(bounds))
-    return bounds if len(bounds) == pp + 1 and all(a < b for a, b in zip(bounds, bounds[1:])) else None
+    return bounds if len(bounds) == pp + 1 and all(a < b for a, b in itertools.pairwise(bounds)) else None
 
 
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:

@@ -8,6 +8,7 @@
 * `./run.sh plan` on the paper's 3.2B model: a layout fits 128 V100s, pp=1 without
   checkpointing does not, and bad flags stop with a message naming them.
 """
+import itertools
 import json
 
 import pytest
@@ -39,7 +40,7 @@ def saved_bytes(fn, params) -> int:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_activation_formula_equals_saved_tensors(dropout):
-    from parallel.pipeline import DecoderPipe, EmbedPipe, EncoderPipe, output_logits
+    from parallel.pipeline import layer_specs, output_logits
 
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, d_model=48, heads=4, ffn_dim=96, vocab_size=50,
                       dropout=dropout)
@@ -50,11 +51,11 @@ def test_activation_formula_equals_saved_tensors(dropout):
     def formula(kind):
         return layer_activation_bytes(cfg, kind, b, s, t, element=4, mask=4)
 
-    torch.manual_seed(0)
-    for kind, module in (("encoder", EncoderPipe(cfg)), ("decoder", DecoderPipe(cfg))):
+    specs = layer_specs(cfg, seed=0)  # plan order: embed, encoder × 2, decoder × 2, output
+    for kind, module in (("encoder", specs[1].build()), ("decoder", specs[3].build())):
         module.train()
-        assert saved_bytes(lambda: module((h, src, tgt)), module.parameters()) == formula(kind), kind
-    embed = EmbedPipe(cfg).train()
+        assert saved_bytes(lambda m=module: m((h, src, tgt)), module.parameters()) == formula(kind), kind
+    embed = specs[0].build().train()
     assert saved_bytes(lambda: embed((src, tgt)), embed.parameters()) == formula("embed")
     kept = {}
 
@@ -79,7 +80,7 @@ def test_partition_is_the_trainers_or_as_balanced():
     for pp in (16, 64):
         bounds = stage_bounds(deep, pp)
         assert bounds[0] == 0 and bounds[-1] == len(costs) and len(bounds) == pp + 1
-        heaviest = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        heaviest = max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
         assert heaviest <= sum(costs) / pp + max(costs)  # within one layer of perfect balance
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from launcher.config import ConfigError
 
@@ -29,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flops", type=float, help="training budget in model FLOPs (e.g. 5.2e21)")
     parser.add_argument("--intra-bw", type=float, help="intra-node all-reduce bus bandwidth per GPU, GB/s")
     parser.add_argument("--inter-bw", type=float, help="inter-node bandwidth per node, GB/s")
+    parser.add_argument("--pp", help="only these pipeline depths, comma-separated (default: all that divide)")
+    parser.add_argument("--tp", help="only these tensor-parallel sizes, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--checkpoint", choices=("on", "off"), help="only with / without activation checkpointing")
     parser.add_argument("--top", type=int, default=8, help="rows in the table (8)")
     parser.add_argument("--markdown", help="also write the table and the explanation to this file")
 
@@ -107,6 +109,15 @@ def table(plans: list, dev, budget: tuple[str, float] | None) -> list[str]:
     return lines
 
 
+def _ints(value: str | None, flag: str) -> set[int] | None:
+    if value is None:
+        return None
+    try:
+        return {int(x) for x in value.split(",")}
+    except ValueError:
+        raise ConfigError(f"{flag}: comma-separated integers, e.g. 2,4") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from parallel.planner import DEFAULT_PRECISION, device, search
 
@@ -136,14 +147,25 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--microbatch-tokens: comma-separated integers, e.g. 2048,4096") from None
     fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
                            seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
+    keep = [_ints(args.pp, "--pp"), _ints(args.tp, "--tp")]
+    ckpt = None if args.checkpoint is None else args.checkpoint == "on"
+
+    def wanted(p) -> bool:
+        return ((keep[0] is None or p.layout.pp in keep[0]) and (keep[1] is None or p.layout.tp in keep[1])
+                and (ckpt is None or bool(p.layout.checkpoint) == ckpt))
+
+    fits, too_big = [p for p in fits if wanted(p)], [p for p in too_big if wanted(p)]
+    if not fits and not too_big:
+        raise ConfigError("no candidate layout matches --pp/--tp/--checkpoint for this many GPUs")
     from model.flops import training_flops
 
     per_token = training_flops(model, args.seq_len, args.seq_len) / args.seq_len
     budget = ("tokens", args.tokens) if args.tokens else ("flops", args.flops) if args.flops else None
-    out = [f"Projection for {args.model} ({params_of(model) / 1e9:.2f}B parameters, {per_token / 1e9:.1f} GFLOPs "
-           f"per target token at {args.seq_len}+{args.seq_len} tokens) on {args.gpus} × {dev.name} "
-           f"({dev.gpus_per_node} per node), {precision}, assumed kernel MFU {args.mfu:.0%}, global batch "
-           f"{args.global_batch_tokens:,} target tokens.", ""]
+    title = (f"Projection for {args.model} ({params_of(model) / 1e9:.2f}B parameters, {per_token / 1e9:.1f} GFLOPs "
+             f"per target token at {args.seq_len}+{args.seq_len} tokens) on {args.gpus} × {dev.name} "
+             f"({dev.gpus_per_node} per node), {precision}, assumed kernel MFU {args.mfu:.0%}, global batch "
+             f"{args.global_batch_tokens:,} target tokens.")
+    out = [title, ""]
     if budget:
         what = f"{budget[1]:.3g} target tokens" if budget[0] == "tokens" else f"{budget[1]:.3g} model FLOPs"
         out += [f"Days for {what}.", ""]
