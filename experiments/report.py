@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")  # no display on CI machines
 import matplotlib.pyplot as plt  # noqa: E402
@@ -71,13 +73,18 @@ def plot_part2(part2: list[dict], path: str) -> None:
         s = r["spec"]
         label = f"{LABELS.get(s['strategy'], s['strategy'])}, warm-up {s['warmup']} ({s['status']})"
         steps, loss = _series(r, "loss")
-        axes[0].plot(steps, loss, linewidth=0.8, label=label)
+        line, = axes[0].plot(steps, loss, linewidth=0.5, alpha=0.35)
+        k = min(20, len(loss))  # per-batch losses are noisy: draw their 20-step moving average
+        if k:
+            smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+            axes[0].plot(steps[k - 1:], smooth, color=line.get_color(), linewidth=1.6, label=label)
         axes[1].plot(*_series(r, "dev_loss"), marker="o", label=label)
     if part2 and "unigram_dev_loss" in part2[0]["spec"]:
         axes[1].axhline(part2[0]["spec"]["unigram_dev_loss"], color="grey", linestyle="--",
                         label="unigram baseline (stuck)")
     d = part2[0]["spec"]["depth"] if part2 else 0
-    axes[0].set_title(f"{d}L-{d}L training loss")
+    axes[0].set_title(f"{d}L-{d}L training loss (20-step moving average)")
+    axes[0].legend(fontsize=7)
     axes[1].set_title(f"{d}L-{d}L dev loss")
     for ax in axes:
         ax.set_xlabel("step")
@@ -148,13 +155,46 @@ def part2_table(part2: list[dict]) -> list[str]:
     return lines
 
 
+def _number(text: str):
+    if text == "":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def load_results(out: str) -> tuple[list[dict], dict]:
+    """The results and run metadata of an earlier run, read back from its CSVs and meta.json."""
+    def rows(name: str) -> list[dict]:
+        with open(os.path.join(out, name), newline="") as f:
+            return [{k: _number(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    measured = {1: rows("update_norms.csv"), 2: rows("long_runs.csv")}
+    results = []
+    for spec in rows("runs.csv"):
+        spec.setdefault("diverged_at", None)
+        key = (spec["strategy"], spec["depth"], spec["warmup"])
+        mine = [r for r in measured[spec["part"]] if (r["strategy"], r["depth"], r["warmup"]) == key]
+        results.append({"spec": spec, "rows": [{k: v for k, v in r.items() if k not in ("strategy", "depth", "warmup")}
+                                               for r in mine]})
+    return results, meta
+
+
 def write_outputs(results: list[dict], out: str, wall: float, command: str, workers: int) -> list[str]:
     """Write everything under `out`; return the paths written."""
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump({"command": command, "wall_seconds": wall, "workers": workers}, f, indent=2)
     part1 = [r for r in results if r["spec"]["part"] == 1]
     part2 = [r for r in results if r["spec"]["part"] == 2]
     paths = {name: os.path.join(out, name) for name in
-             ("update_norms.csv", "long_runs.csv", "runs.csv", "fig4_update_norms.png", "long_runs.png", "results.md")}
+             ("update_norms.csv", "long_runs.csv", "runs.csv", "meta.json", "fig4_update_norms.png", "long_runs.png",
+              "results.md")}
     flat = lambda rs: [{"strategy": r["spec"]["strategy"], "depth": r["spec"]["depth"],  # noqa: E731
                         "warmup": r["spec"]["warmup"], **row} for r in rs for row in r["rows"]]
     _write_csv(paths["update_norms.csv"], flat(part1))

@@ -210,14 +210,23 @@ def specs(quick: bool) -> list[Spec]:
 
 def main(argv: list[str] | None = None) -> int:
     from data.prepare import prepare_data
-    from experiments.report import write_outputs
+    from experiments.report import load_results, write_outputs
 
     parser = argparse.ArgumentParser(prog="run.sh experiment update-norms", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/update-norms", help="where the CSV, PNG and tables go")
+    parser.add_argument("--out", help="where the CSV, PNG and tables go (default docs/update-norms; "
+                        "with --quick runs/experiments/update-norms/quick, to keep the committed results)")
     parser.add_argument("--work", default="runs/experiments/update-norms", help="prepared data")
     parser.add_argument("--workers", type=int, default=2, help="parallel single-threaded runs")
     parser.add_argument("--quick", action="store_true", help="shallow smoke version (about a minute)")
+    parser.add_argument("--replot", action="store_true",
+                        help="redraw the plots and tables from the CSVs in --out, without training")
     args = parser.parse_args(argv)
+    args.out = args.out or ("runs/experiments/update-norms/quick" if args.quick else "docs/update-norms")
+    if args.replot:
+        results, meta = load_results(args.out)
+        paths = write_outputs(results, args.out, meta["wall_seconds"], meta["command"], meta["workers"])
+        print("update-norms: redrew " + ", ".join(paths), flush=True)
+        return 0
 
     t0 = time.perf_counter()
     data_cfg = DataConfig(max_tokens=MAX_TOKENS)  # the bundled default corpus (configs/default.yaml)

@@ -187,6 +187,7 @@ def bench(args: argparse.Namespace) -> int:
     worlds = {layout["name"]: check_layout(config, model, layout) for layout in layouts}
     out = os.path.abspath(args.out)
     work = os.path.abspath(args.work_dir or os.path.join(out, "work"))
+    os.makedirs(out, exist_ok=True)
     os.makedirs(work, exist_ok=True)
     base = load_config(config)
     data_dir = os.path.abspath(os.path.join(base.run_dir, "data"))  # where `./run.sh train` prepares it

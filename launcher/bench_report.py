@@ -8,6 +8,9 @@ Definitions (the README repeats them):
                     the ranks use, ranks × OMP threads)
   bubble measured   per rank: 1 − (forward + backward time) / (step time − gradient reduction −
                     optimizer step), averaged over ranks and measured steps; theory (p−1)/(m+p−1)
+  MFU by CPU time   CPU only: model FLOPs / (CPU seconds of all ranks × one-core peak); other
+                    processes on a shared machine stretch wall time but not CPU time (threads
+                    that spin-wait do count, so this is a lower bound on kernel efficiency)
   memory            per stage, the largest peak above the process baseline among its replicas
 """
 from __future__ import annotations
@@ -164,6 +167,9 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
             real += sum(b["src_lens"]) + sum(b["tgt_lens"])
     world = len(result["ranks"])
     peak = env.peak_total(layout["precision"], world, threads_per_rank)
+    # CPU seconds of all ranks: other processes on a shared machine stretch wall time, not this.
+    cpu_seconds = sum(inst.get("cpu_seconds", 0.0) for r in result["ranks"] for inst in r["instructions"][warmup:])
+    core_peak = env.core_peaks.get(layout["precision"]) if env.device_kind == "cpu" else None
     pp = layout["pp"]
     m = layout["micro_batches"]
     stage_peaks = [max(r["peak_bytes"] - r["baseline_bytes"] for r in result["ranks"] if r["stage"] == s)
@@ -178,6 +184,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
         "model_tflops": model_flops / total_time / 1e12,
         "mfu": utilization(model_flops, total_time, peak) if peak else None,
         "hfu": utilization(hw_flops, total_time, peak) if peak else None,
+        "mfu_cpu_time": model_flops / cpu_seconds / core_peak if core_peak and cpu_seconds else None,
         "bubble_measured": measured_bubble(result, warmup), "bubble_theory": (pp - 1) / (m + pp - 1),
         "stage_peak_mb": [p / MB for p in stage_peaks],
         "stage_predicted_mb": [p / MB for p in predicted] if predicted else None,
@@ -204,8 +211,8 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
              f"{spec['steps']} measured steps per layout. Planner step time assumes kernels at "
              f"{CPU_ASSUMED_MFU:.0%} of each rank's share of the peak (for ranking layouts).")
     header = ("| layout | ranks × threads | target tok/s | step s (median, min–max) | planner step s | model TFLOP/s "
-              "| MFU | HFU | bubble measured / theory | peak MB per stage, measured (planner) | padding | load |")
-    lines = [f"Device: {env.describe()}.", "", setup, "", header, "|---" * 12 + "|"]
+              "| MFU | MFU by CPU time | HFU | bubble measured / theory | peak MB per stage, measured (planner) | padding | load |")
+    lines = [f"Device: {env.describe()}.", "", setup, "", header, "|---" * 13 + "|"]
     for r in rows:
         predicted = r["stage_predicted_mb"] or [None] * len(r["stage_peak_mb"])
         memory = " / ".join(f"{m:.0f}" + (f" ({p:.0f})" if p is not None else "")
@@ -213,6 +220,7 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
         planned = "n/a" if r["planner_step_s"] is None else f"{r['planner_step_s']:.2f}"
         lines.append(f"| {r['layout']} | {r['ranks']} × {r['threads_per_rank']} | {r['target_tokens_per_s']:.0f} | {r['step_s_median']:.2f} "
                      f"({r['step_s_min']:.2f}–{r['step_s_max']:.2f}) | {planned} | {r['model_tflops']:.4f} | {_pct(r['mfu'])} "
+                     f"| {_pct(r.get('mfu_cpu_time'))} "
                      f"| {_pct(r['hfu'])} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
                      f"| {_pct(r['padding'])} | {r.get('load_after', float('nan')):.1f} |")
     profiled = [r for r in rows if "profile" in r]

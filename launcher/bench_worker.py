@@ -186,9 +186,11 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     steps = []
     for _ in range(layout["warmup"] + layout["steps"]):
         timers.clear()
+        cpu = time.process_time()
         out = trainer.train_step()
+        cpu = time.process_time() - cpu  # this rank's CPU time, all threads: robust to other load
         steps.append({"seconds": out["seconds"], "tokens": out["tokens"], "loss": out["loss"],
-                      "instructions": {**timers, "train_batch": out["seconds"]}})
+                      "instructions": {**timers, "train_batch": out["seconds"], "cpu_seconds": cpu}})
     peak = peak_memory()
     mine = {"rank": rank, "stage": trainer.engine.stage_id, "dp_rank": trainer.dp_rank,
             "baseline_bytes": baseline, "peak_bytes": peak, "params": sum(p.numel() for p in trainer.module.parameters()),
