@@ -319,9 +319,10 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
         "shards": manifest_shards,
         "shard_size": cfg.shard_size,
         # The raw text stays where it is: evaluation reads references from it, undropped.
-        "corpus_dir": os.path.relpath(corpus_dir, out_dir)
-        if corpus_dir.startswith(os.path.abspath(out_dir))
-        else corpus_dir,
+        # (relative to out_dir when inside it, so the prepared folder can move; else absolute).
+        "corpus_dir": os.path.relpath(os.path.abspath(corpus_dir), os.path.abspath(out_dir))
+        if os.path.abspath(corpus_dir).startswith(os.path.abspath(out_dir) + os.sep)
+        else os.path.abspath(corpus_dir),
         "corpus_fingerprint": fingerprint,
         "config": cfg.to_dict(),
         "config_key": key,

@@ -259,3 +259,12 @@ def test_interrupted_corpus_build_leaves_nothing_behind(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         build_django_corpus(str(tmp_path / "corpus"), ["de"], 10, 10, seed=1)
     assert os.listdir(tmp_path) == []
+
+
+def test_corpus_path_resolves_when_prepared_into_a_relative_folder(tmp_path, monkeypatch):
+    # `./run.sh train --run-dir runs/x` prepares into a relative folder; evaluation later reads
+    # the raw references through the manifest from there.
+    monkeypatch.chdir(tmp_path)
+    manifest = prepare_data(CONFIG, os.path.join("runs", "x", "data"), log=lambda *_: None)
+    assert manifest["corpus_dir"] == "corpus"
+    assert os.path.isdir(corpus_path(os.path.join("runs", "x", "data"), manifest))
