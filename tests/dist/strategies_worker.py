@@ -1,8 +1,9 @@
 """Runs under the deepspeed launcher: every normalisation strategy as a 2-stage pipeline, in one launch.
 
 For each strategy in `--strategies`: a fresh run directory `<run_dir>-<strategy>`, the real
-Trainer with the stability instruments on every step (`train.instrument_interval=1`), `--steps`
-steps, per-step losses and global gradient norms recorded. BranchNorm (T = 3, so λ_t crosses 1
+Trainer (with the stability instruments on every step, `train.instrument_interval=1`, for the
+strategies in `--instrumented`), `--steps` steps, per-step losses and global gradient norms
+recorded. BranchNorm (T = 3, so λ_t crosses 1
 during the run) also saves a checkpoint after `--save-at` steps; a second Trainer then resumes from
 it in the same run directory and records the remaining steps. Rank 0 writes the numbers to `--out`;
 the instruments are in each run directory's metrics/stability.csv.
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategies", required=True, help="comma-separated model.norm values")
+    parser.add_argument("--instrumented", default="", help="strategies run with train.instrument_interval=1")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=2)
     parser.add_argument("--local_rank", type=int)
@@ -62,7 +64,7 @@ def main() -> None:
         cfg = copy.deepcopy(base)
         cfg.model.norm = norm
         cfg.model.branchnorm_max_norm_step = BRANCHNORM_T
-        cfg.train.instrument_interval = 1
+        cfg.train.instrument_interval = 1 if norm in args.instrumented.split(",") else 0
         cfg.run_dir = f"{base.run_dir}-{norm}"
         if torch.distributed.get_rank() == 0:
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
