@@ -1,7 +1,7 @@
 """`./run.sh bench train`: time a grid of layouts of one model on the devices present.
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
-                         [--max-tokens 1024] [--micro-batches 4] [--precision fp32]
+                         [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
                          [--warmup 2] [--steps 5] [--model NAME] [--out DIR] [--work-dir DIR] [--profile]
 
 Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
@@ -12,6 +12,7 @@ Flags with comma-separated values span a grid (their product). A grid file holds
     steps: 5
     layouts:                           # each entry is expanded like the flags
       - {pp: [1, 2], dp: 1, ac: [0, 1], max_tokens: 1024, micro_batches: 4, precision: fp32}
+      - {pp: 1, threads: [1, 2]}       # OpenMP threads per rank (default: cores / ranks)
 
 Each layout runs in its own launch (`launcher/bench_worker.py`), so its memory is its own. Per
 layout: target tokens/s (non-padding), step time median and spread, model TFLOP/s (model/flops.py),
@@ -35,25 +36,32 @@ import yaml
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 
-GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision")
-FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str}
+GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads")
+FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
+              "threads": int}
 
 
 def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
-    """Best FLOP/s of large square matmuls with `threads` threads: the CPU's practical peak."""
+    """Best FLOP/s of 2048² matmuls with `threads` threads: the CPU's practical peak.
+
+    One thread is timed by its CPU time, so another process taking the core does not lower
+    the peak (wall time would: the same probe read 0.040 and 0.067 TFLOP/s minutes apart here).
+    """
     import torch
 
     torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
     n = 2048
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm the kernels and thread pool
     best = 0.0
     for _ in range(trials):
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
+        count, start = 0, clock()
+        while clock() - start < seconds:
             a @ b
             count += 1
-        best = max(best, 2 * n**3 * count / (time.perf_counter() - start))
+        best = max(best, 2 * n**3 * count / (clock() - start))
+    torch.set_num_threads(os.cpu_count() or 1)
     return best
 
 
@@ -67,8 +75,23 @@ def expand(entry: dict, where: str) -> list[dict]:
 
 
 def layout_name(layout: dict) -> str:
+    threads = f"-t{layout['threads']}" if "threads" in layout else ""
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
-            f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}")
+            f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}")
+
+
+def launch_environment(layout: dict, world: int) -> dict:
+    """The ranks' environment: `threads` (OpenMP threads per rank) if the layout sets it, else
+    the machine's cores split over the ranks (launcher/cli.py)."""
+    env = launch_env(world)
+    if "threads" in layout:
+        env["OMP_NUM_THREADS"] = str(layout["threads"])
+    # glibc raises its mmap threshold as large blocks are freed and then keeps freed tensors in
+    # its heap: RSS grew up to 1.6× above the live tensors here, by allocation order. A fixed
+    # threshold returns every freed tensor ≥ 128 KiB to the OS, so peak RSS measures what the
+    # training state needs, as the allocator peak does on GPUs.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    return env
 
 
 def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, int]:
@@ -143,12 +166,7 @@ def run_one(config: str, model: dict, layout: dict, world: int, work: str, data_
     cmd = [sys.executable, script, *args] if world == 1 else deepspeed_command(world, "launcher/bench_worker.py", args)
     if os.path.exists(out):
         os.remove(out)
-    env = launch_env(world)
-    # glibc raises its mmap threshold as large blocks are freed and then keeps freed tensors in
-    # its heap: RSS grew up to 1.6× above the live tensors here, by allocation order. A fixed
-    # threshold returns every freed tensor ≥ 128 KiB to the OS, so peak RSS measures what the
-    # training state needs, as the allocator peak does on GPUs.
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
+    env = launch_environment(layout, world)
     with open(log, "w") as f:
         code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if code != 0 or not os.path.exists(out):
@@ -202,7 +220,7 @@ def bench(args: argparse.Namespace) -> int:
             print(f"note: {layout['name']} runs {world} ranks on {os.cpu_count()} cores; its times are oversubscribed")
         print(f"running {layout['name']} ({world} rank{'s' * (world > 1)}) ...", flush=True)
         result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
-        threads = int(launch_env(world)["OMP_NUM_THREADS"])
+        threads = int(launch_environment(layout, world)["OMP_NUM_THREADS"])
         row = summarize(result, env, load_config(config, {"model": model}).model, threads)
         row["load_after"] = os.getloadavg()[0]  # other processes on the machine skew times
         rows.append(row)

@@ -123,8 +123,10 @@ def inverse_sqrt(warmup: int):
     """LR multiplier at optimizer step n (1-based): linear warm-up, then sqrt(warmup / n)."""
     def factor(zero_based_step: int) -> float:
         n = zero_based_step + 1
+        if warmup <= 0:  # no warm-up: full lr at step 1, then 1/sqrt(n)
+            return n ** -0.5
         if n <= warmup:
-            return n / max(warmup, 1)
+            return n / warmup
         return (warmup / n) ** 0.5
     return factor
 

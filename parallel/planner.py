@@ -5,8 +5,10 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
 * Parameters, gradients and optimizer state (`STATE_BYTES`, per parameter of the stage's shard).
   Two moments compete for the peak: forward/backward (weights, gradients, the optimizer state
   kept between steps) and the optimizer step (plus the flattened gradient copies and Adam's
-  temporaries). The fp32 figures were measured on CPU (peak 8.3× the fp32 weights at dp = 1,
-  33 B/param); bf16 and fp16 follow the code of BF16_Optimizer and DeepSpeedZeroOptimizer.
+  temporaries). The fp32 figures were measured on CPU (a timeline of RSS per pipeline
+  instruction: 20 B/param after backward, +4 at ReduceGrads, +4 in the optimizer step, 28 B/param
+  at dp = 1 for 2–46M-parameter models); bf16 and fp16 follow the code of BF16_Optimizer and
+  DeepSpeedZeroOptimizer.
   ZeRO-1 divides the fp32 master copy, Adam's moments and the flat gradient partition by dp.
 * Activations (`layer_activation_bytes`): what autograd saves per layer of this implementation,
   counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
@@ -136,8 +138,8 @@ class Layout:
 # Bytes per parameter of a stage's shard: (kept between steps, not divided by dp),
 # (kept, divided by dp under ZeRO-1), (extra at the optimizer step, not divided), (extra, divided).
 STATE_BYTES = {
-    # weights + grads | fp32 master + Adam m, v | ZeRO's reduce bucket | flat grad partition + Adam temp
-    "fp32": (8, 12, 4, 8),
+    # weights + grads | fp32 master + Adam m, v | ZeRO's flat reduced gradients | Adam's temporary
+    "fp32": (8, 12, 4, 4),
     # fp16 weights + grads | master + m, v | fp16 reduce bucket | fp16 and fp32 flat partitions + temp
     "fp16": (4, 12, 2, 10),
     # bf16 weights + bf16 grads + fp32 accumulation buffer | master + m, v | — | Adam temp

@@ -11,6 +11,15 @@ from model.layers import source_mask
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: a second intra-op thread gains nothing and, on a loaded machine, costs a lot.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(norm: str = "postln") -> EncoderDecoder:
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, d_model=16, heads=2, ffn_dim=32, vocab_size=40,
                       norm=norm, dropout=0.1)
