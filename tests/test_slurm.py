@@ -116,6 +116,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
     after = train.preemption_agreed()
     with open(f"{out}.{rank}", "w") as f:
         json.dump([before, after], f)
+    dist.barrier()  # neither rank tears gloo down while the other still uses it (it aborts)
     dist.destroy_process_group()
 
 
