@@ -96,9 +96,11 @@ def _cpu_name() -> str:
     return "CPU"
 
 
-def largest_microbatch(result: dict, warmup: int) -> tuple[int, int, int]:
-    """(sequences, src_len, tgt_len) of the measured micro-batch with the most padded tokens."""
-    shapes = [tuple(b["shape"]) for step in result["batches"][warmup:] for b in step]
+def largest_microbatch(result: dict) -> tuple[int, int, int]:
+    """(sequences, src_len, tgt_len) of the micro-batch with the most padded tokens among the steps
+    the memory peak covers: every step after the first (which runs before the optimizer state
+    exists) — warm-up included, since the high-water mark is."""
+    shapes = [tuple(b["shape"]) for step in result["batches"][1:] or result["batches"] for b in step]
     return max(shapes, key=lambda s: s[0] * (s[1] + s[2]))
 
 
@@ -174,7 +176,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
     m = layout["micro_batches"]
     stage_peaks = [max(r["peak_bytes"] - r["baseline_bytes"] for r in result["ranks"] if r["stage"] == s)
                    for s in range(pp)]
-    shape = largest_microbatch(result, warmup)
+    shape = largest_microbatch(result)
     predicted = predicted_memory(model, layout, shape, env)
     row = {
         "layout": layout["name"], "pp": pp, "tp": layout.get("tp", 1), "dp": layout["dp"],

@@ -3,9 +3,10 @@
 Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer configures it:
 
 * Parameters, gradients and optimizer state (`STATE_BYTES`, per parameter of the stage's shard).
-  Two moments compete for the peak: forward/backward (weights, gradients, the optimizer state
-  kept between steps) and the optimizer step (plus the flattened gradient copies and Adam's
-  temporaries). The fp32 figures were measured on CPU (a timeline of RSS per pipeline
+  Two moments compete for the peak: forward/backward (weights, the optimizer state kept between
+  steps, activations, and the gradients — which the optimizer step frees, so the first
+  micro-batch of a step runs without them) and the optimizer step (plus the flattened gradient
+  copies and Adam's temporaries). The fp32 figures were measured on CPU (a timeline of RSS per pipeline
   instruction: 20 B/param after backward, +4 at ReduceGrads, +4 in the optimizer step, 28 B/param
   at dp = 1 for 2–46M-parameter models); bf16 and fp16 follow the code of BF16_Optimizer and
   DeepSpeedZeroOptimizer.
@@ -135,15 +136,16 @@ class Layout:
                 f"mb={self.sequences}×{self.src_len}/{self.tgt_len} {ac} {self.precision}")
 
 
-# Bytes per parameter of a stage's shard: (kept between steps, not divided by dp),
-# (kept, divided by dp under ZeRO-1), (extra at the optimizer step, not divided), (extra, divided).
+# Bytes per parameter of a stage's shard: (kept between steps), (gradients: allocated during
+# backward, freed by the optimizer step), (kept, divided by dp under ZeRO-1), (extra at the
+# optimizer step), (extra at the step, divided by dp).
 STATE_BYTES = {
-    # weights + grads | fp32 master + Adam m, v | ZeRO's flat reduced gradients | Adam's temporary
-    "fp32": (8, 12, 4, 4),
-    # fp16 weights + grads | master + m, v | fp16 reduce bucket | fp16 and fp32 flat partitions + temp
-    "fp16": (4, 12, 2, 10),
-    # bf16 weights + bf16 grads + fp32 accumulation buffer | master + m, v | — | Adam temp
-    "bf16": (8, 12, 0, 4),
+    # fp32 weights | grads | fp32 master + Adam m, v | ZeRO's flat reduced gradients | Adam temporary
+    "fp32": (4, 4, 12, 4, 4),
+    # fp16 weights | fp16 grads | master + m, v | fp16 reduce bucket | fp16 and fp32 partitions + temp
+    "fp16": (2, 2, 12, 2, 10),
+    # bf16 weights + fp32 accumulation buffer | bf16 grads | master + m, v | — | Adam temporary
+    "bf16": (6, 2, 12, 0, 4),
 }
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -246,7 +248,7 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     """Peak bytes of one stage, by component, at whichever moment is larger (see module doc)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
-    kept, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
+    kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
     if layout.precision in ("fp16", "bf16") and dev.kind == "cpu":
         raise ValueError("the planner models fp16/bf16 for GPUs only")
     e = ELEMENT_BYTES[layout.precision]
@@ -278,11 +280,18 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     kept_output = b * t * cfg.vocab_size / layout.tp * e if stage == layout.pp - 1 else h_bytes
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
-    fwd_bwd = params * (kept + kept_dp / layout.dp) + activations + transient + comm
+    state = params * (kept + kept_dp / layout.dp)
+    if layout.micro_batches > in_flight:
+        # Later micro-batches run forward while the earlier ones' gradients exist.
+        fwd_bwd = state + params * grads + activations + transient + comm
+    else:
+        # Gradients appear as backward frees activations, layer by layer (measured: the peak is
+        # the larger of the two, not their sum, when every forward precedes every backward).
+        fwd_bwd = state + max(activations + transient, params * grads + activations * (in_flight - 1) / in_flight) + comm
     # ZeRO's reduce bucket holds at most reduce_bucket_size (DeepSpeed's default 5e8) elements.
     step_extra = min(params, 5e8) * step + params * step_dp / layout.dp
-    at_step = params * (kept + kept_dp / layout.dp) + step_extra
-    return {"params": params, "weights_grads": params * kept, "optimizer": params * kept_dp / layout.dp,
+    at_step = state + params * grads + step_extra
+    return {"params": params, "weights_grads": params * (kept + grads), "optimizer": params * kept_dp / layout.dp,
             "activations": activations + transient, "buffers": comm, "step_extra": step_extra,
             "peak": max(fwd_bwd, at_step), "peak_phase": "forward/backward" if fwd_bwd >= at_step else "optimizer step"}
 
