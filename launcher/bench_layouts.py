@@ -94,6 +94,13 @@ def launch_environment(layout: dict, world: int) -> dict:
     return env
 
 
+def _values(key: str, text: str) -> list:
+    try:
+        return [FLAG_TYPES[key](v) for v in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--{key.replace('_', '-')} {text}: comma-separated {FLAG_TYPES[key].__name__} values") from None
+
+
 def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, int]:
     """(config path, model overrides, layouts, warmup, steps) from --grid or the flags."""
     spec: dict = {}
@@ -119,12 +126,14 @@ def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, in
     defaults = {"pp": base.parallel.pipeline_stages, "dp": base.parallel.data_parallel,
                 "ac": base.parallel.activation_checkpoint_interval, "precision": base.parallel.precision,
                 "max_tokens": base.data.max_tokens, "micro_batches": base.train.micro_batches, "tp": 1}
-    flags = {k: [FLAG_TYPES[k](v) for v in str(getattr(args, k)).split(",")] for k in GRID_KEYS
-             if getattr(args, k) is not None}
+    flags = {k: _values(k, getattr(args, k)) for k in GRID_KEYS if getattr(args, k) is not None}
     entries = spec.get("layouts") or [{}]
     layouts = []
     for i, entry in enumerate(entries):
         for layout in expand({**defaults, **entry, **flags}, f"{args.grid or 'flags'}: layouts[{i}]"):
+            threads = layout.get("threads", 1)
+            if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+                raise ConfigError(f"{args.grid or '--threads'}: threads={threads!r} must be an integer >= 1")
             layout["name"] = layout_name(layout)
             layouts.append(layout)
     warmup = args.warmup if args.warmup is not None else spec.get("warmup", 2)
@@ -145,7 +154,7 @@ def check_layout(config: str, model: dict, layout: dict) -> int:
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        if "tensor_parallel" in str(e):
+        if "unknown key" in str(e) and "tensor_parallel" in str(e):
             raise ConfigError(f"layout {layout['name']}: this checkout has no tensor parallelism "
                               "(parallel.tensor_parallel); use tp=1") from None
         raise
@@ -225,7 +234,8 @@ def bench(args: argparse.Namespace) -> int:
         row["load_after"] = os.getloadavg()[0]  # other processes on the machine skew times
         rows.append(row)
         print("  " + row["summary"], flush=True)
-    paths = write_outputs(rows, env, out, {"config": config, "model": model, "warmup": warmup, "steps": steps})
+    shown = os.path.relpath(config, ROOT) if os.path.abspath(config).startswith(ROOT + os.sep) else config
+    paths = write_outputs(rows, env, out, {"config": shown, "model": model, "warmup": warmup, "steps": steps})
     print(f"wrote {', '.join(paths)}")
     return 0
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
+from parallel.planner import Layout
 
 MB = 2**20
 
@@ -115,10 +116,8 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
     return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
 
 
-def planner_layout(layout: dict, shape: tuple[int, int, int]):
+def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
     """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
-    from parallel.planner import Layout
-
     return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                   sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
                   precision=layout["precision"])

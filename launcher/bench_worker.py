@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil
 import torch
 
-from launcher.config import load_config
+from launcher.config import RunConfig, load_config
 
 # Layout keys → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
@@ -47,7 +47,7 @@ def _on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
-def prime_process(cfg) -> None:
+def prime_process(cfg: RunConfig) -> None:
     """Pay the process's one-time costs before the baseline is taken, so that the baseline is
     'a process that can train this layout' and the peak above it is the model's own memory.
 
@@ -95,7 +95,7 @@ def peak_memory() -> int:
     return torch.cuda.max_memory_allocated()
 
 
-def instrument(engine) -> dict[str, float]:
+def instrument(engine: object) -> dict[str, float]:
     """Time every pipeline instruction the engine executes (seconds, accumulated by name).
 
     The engine looks its handlers up in `self._INSTRUCTION_MAP`; an instance attribute with
@@ -118,7 +118,7 @@ def instrument(engine) -> dict[str, float]:
     return totals
 
 
-def record_batches(trainer) -> list[list[dict]]:
+def record_batches(trainer: object) -> list[list[dict]]:
     """Per step, the global batch's micro-batches: padded shape and real (non-pad) lengths."""
     steps: list[list[dict]] = []
     original = trainer.stream.next_step
@@ -135,7 +135,7 @@ def record_batches(trainer) -> list[list[dict]]:
     return steps
 
 
-def layout_config(base_config: str, layout: dict, run_dir: str, model_overrides: dict):
+def layout_config(base_config: str, layout: dict, run_dir: str, model_overrides: dict) -> RunConfig:
     overrides: dict = {"run_dir": run_dir, "model": dict(model_overrides),
                        "train": {"max_steps": layout["warmup"] + layout["steps"]}}
     for key, (section, name) in LAYOUT_KEYS.items():
@@ -144,7 +144,7 @@ def layout_config(base_config: str, layout: dict, run_dir: str, model_overrides:
     return load_config(base_config, overrides)
 
 
-def profile_step(trainer, path: str) -> dict:
+def profile_step(trainer: object, path: str) -> dict:
     """One more step under torch.profiler; writes the top operators and returns time shares."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -133,7 +133,7 @@ class Layout:
     def describe(self) -> str:
         ac = f"ac{self.checkpoint}" if self.checkpoint else "no-ac"
         return (f"pp{self.pp}·tp{self.tp}·dp{self.dp} m={self.micro_batches} "
-                f"mb={self.sequences}×{self.src_len}/{self.tgt_len} {ac} {self.precision}")
+                f"mb={self.sequences}×({self.src_len}+{self.tgt_len}) {ac} {self.precision}")
 
 
 # Bytes per parameter of a stage's shard: (kept between steps), (gradients: allocated during

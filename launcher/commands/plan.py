@@ -5,6 +5,8 @@ import argparse
 import os
 
 from launcher.config import ConfigError
+from model.config import ModelConfig
+from parallel.planner import Device
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="also write the table and the explanation to this file")
 
 
-def load_model(spec: str):
+def load_model(spec: str) -> ModelConfig:
     """A named shape, or the model section of a YAML run config (vocabulary from its data section)."""
     from parallel.planner import named_model
 
@@ -55,14 +57,14 @@ def load_model(spec: str):
     return model
 
 
-def params_of(model) -> float:
+def params_of(model: ModelConfig) -> float:
     from parallel.planner import layer_params
 
     return (model.encoder_layers * layer_params(model, "encoder") + model.decoder_layers * layer_params(model, "decoder")
             + layer_params(model, "embed"))
 
 
-def explain(fits: list, too_big: list, dev) -> list[str]:
+def explain(fits: list, too_big: list, dev: Device) -> list[str]:
     """Why the best plan wins: what it fits in, what the alternatives would cost."""
     best = fits[0]
     lay = best.layout
@@ -93,7 +95,7 @@ def explain(fits: list, too_big: list, dev) -> list[str]:
     return lines
 
 
-def table(plans: list, dev, budget: tuple[str, float] | None) -> list[str]:
+def table(plans: list, dev: Device, budget: tuple[str, float] | None) -> list[str]:
     head = "| layout | peak GiB/GPU | step s | bubble | target tok/s | MFU |"
     if budget:
         head += " days |"
