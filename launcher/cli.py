@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file or folder the command cannot use (permissions, a full disk)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted; finished work is kept and a rerun continues from it", file=sys.stderr)
         return 130

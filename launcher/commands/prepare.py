@@ -5,7 +5,7 @@ import argparse
 import os
 
 from launcher.cli import DEFAULT_CONFIG
-from launcher.config import load_config
+from launcher.config import check_run_dir, check_writable_folder, load_config
 
 HELP = "validate, tokenise and binarise the corpus of a config (resumable); no training"
 
@@ -24,6 +24,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     out = args.out or os.path.join(cfg.run_dir, "data")
+    if args.out:
+        check_writable_folder(args.out, "--out")
+    else:
+        check_run_dir(cfg, args.config)
     print(f"config {args.config} → {out}", flush=True)
     try:
         prepare_data(cfg.data, out, progress=not args.no_progress)
