@@ -127,6 +127,8 @@ def test_mismatched_line_counts_stop_naming_both_files_and_counts(tmp_path):
     left, right = tmp_path / "c" / "en-de" / "opus.en-de-train.en", tmp_path / "c" / "en-de" / "opus.en-de-train.de"
     _write(str(left), [b"one", b"two", b"three"])
     _write(str(right), [b"eins", b"zwei"])
+    for side in ("en", "de"):
+        _write(str(tmp_path / "c" / "en-de" / f"opus.en-de-dev.{side}"), [b"ok"])
     out = tmp_path / "out"
     with pytest.raises(DataError) as error:
         prepare_data(DataConfig(corpus=str(tmp_path / "c"), languages=[]), str(out), log=print)
