@@ -77,8 +77,14 @@ def load_manifest(out_dir: str) -> dict:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         raise DataError(f"{out_dir} holds no prepared data ({MANIFEST} missing); prepare it first")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except (ValueError, OSError) as error:
+        raise DataError(f"{path} is damaged ({error}); delete it and run ./run.sh prepare again") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path} is damaged (not a JSON object); delete it and run ./run.sh prepare again")
+    return manifest
 
 
 def _sha256(path: str) -> str:
@@ -121,7 +127,10 @@ def _is_current(out_dir: str, key: dict, fingerprint: str) -> dict | None:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return None
-    manifest = load_manifest(out_dir)
+    try:
+        manifest = load_manifest(out_dir)
+    except DataError:
+        return None  # damaged: prepared again
     if (
         manifest.get("format") != FORMAT_VERSION
         or manifest.get("config_key") != key
