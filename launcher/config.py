@@ -346,15 +346,36 @@ def validate(cfg: RunConfig, where: str) -> None:
                           f"{n_layers} pipeline layers of the model")
 
 
+def parameters(cfg: RunConfig) -> int:
+    """Weights of the model (matrices and the shared embedding; biases and norms are negligible)."""
+    from model.flops import layer_matmul_params
+
+    m = cfg.model
+    per = layer_matmul_params(m)
+    return (m.encoder_layers * per["encoder"] + m.decoder_layers * (per["decoder_target"] + per["decoder_source"])
+            + (m.vocab_size or cfg.data.vocab_size) * m.d_model)
+
+
 def check_device(cfg: RunConfig, where: str) -> None:
-    """Refuse a precision that the accelerator the ranks will use cannot train in (fp16 on a CPU,
-    bf16 on a GPU without it). The accelerator is asked, not guessed from names."""
-    if cfg.parallel.precision == "fp32":
-        return
+    """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a
+    CPU, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
+    device's memory. The accelerator is asked, not guessed from names."""
     import torch
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
+    p = cfg.parallel
+    # A lower bound: fp32 weights and gradients, Adam's two moments sharded over the replicas
+    # by ZeRO-1, an even split over stages and tensor-parallel ranks; activations not counted.
+    need = parameters(cfg) * (8 + 8 / p.data_parallel) / (p.pipeline_stages * p.tensor_parallel)
+    have = accelerator.total_memory()
+    if need > have:
+        raise ConfigError(f"{where}: the model has {parameters(cfg):,} parameters, at least {need / 2**30:,.1f} GiB "
+                          f"of training state per rank, more than the {have / 2**30:,.1f} GiB of this "
+                          f"{accelerator.device_name()} accelerator; make it smaller (model.d_model, "
+                          "model.*_layers) or raise parallel.pipeline_stages / tensor_parallel")
+    if cfg.parallel.precision == "fp32":
+        return
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.parallel.precision]
     if dtype not in accelerator.supported_dtypes():
         other = "bf16" if cfg.parallel.precision == "fp16" else "fp16"

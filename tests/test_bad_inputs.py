@@ -144,6 +144,8 @@ CONFIG_CASES = [
     ("adam_betas-scalar", with_key("train.adam_betas", 0.9), ["train.adam_betas", "list"]),
     ("seed-negative", with_key("train.seed", -1), ["train.seed"]),
     ("seed-huge", with_key("train.seed", 2**40), ["train.seed"]),
+    ("model-beyond-memory", with_key("model.d_model", 1 << 20), ["parameters", "GiB", "model.d_model"]),
+    ("layers-beyond-memory", with_key("model.encoder_layers", 10**9), ["parameters", "GiB"]),
     ("precision-fp8", with_key("parallel.precision", "fp8"), ["parallel.precision", "fp16"]),
     ("precision-fp16-unsupported", with_key("parallel.precision", "fp16"), ["parallel.precision=fp16", "not supported"]),
     ("partition-unknown", with_key("parallel.partition_method", "balanced"), ["parallel.partition_method", "uniform"]),
