@@ -152,14 +152,14 @@ def _coerce(value, typ, where: str):
         if any(value == c and type(value) is type(c) for c in choices):
             return value
         raise ConfigError(f"{where}={value!r}: must be one of {', '.join(str(c) for c in choices)}")
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if typ is float and isinstance(value, str):
+    if typ is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
         # YAML 1.1 reads 5e-4 (no dot) as a string; take it as the number it spells.
         try:
             return float(value)
         except ValueError:
             pass
+        except OverflowError:
+            raise ConfigError(f"{where}={value!r}: too large; give a finite number") from None
     if typ is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if typ is bool and isinstance(value, bool):
@@ -240,7 +240,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a name, not {key!r}")
+            if key in seen:
                 raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice; keep one")
             seen.add(key)
         return super().construct_mapping(node, deep)
@@ -373,7 +375,7 @@ def check_device(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: the model has {parameters(cfg):,} parameters, at least {need / 2**30:,.1f} GiB "
                           f"of training state per rank, more than the {have / 2**30:,.1f} GiB of this "
                           f"{accelerator.device_name()} accelerator; make it smaller (model.d_model, "
-                          "model.*_layers) or raise parallel.pipeline_stages / tensor_parallel")
+                          "model.*_layers, data.vocab_size) or raise parallel.pipeline_stages / tensor_parallel")
     if cfg.parallel.precision == "fp32":
         return
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.parallel.precision]

@@ -96,6 +96,8 @@ CONFIG_CASES = [
     ("unknown-top-key", with_key("modle", {"heads": 4}), ["modle"]),
     ("unknown-model-key", with_key("model.layers", 6), ["model.layers"]),
     ("non-string-key", text_after("1: 2\n"), ["unknown key 1"]),
+    ("list-as-key", "? [a, b]\n: 1\n", ["cfg.yaml line 1", "key"]),
+    ("lr-huge-int", with_key("train.lr", 10**400), ["train.lr", "too large"]),
     ("section-scalar", with_key("model", 5), ["model", "mapping"]),
     ("section-empty", with_key("train", None), ["train", "empty"]),
     ("heads-0", with_key("model.heads", 0), ["model.heads"]),
@@ -356,6 +358,13 @@ def nul_in_line_3(c):
         handle.write(b"\n".join(lines))
 
 
+def cr_line_endings(c):
+    with open(f(c, split="train"), "rb") as handle:
+        text = handle.read()
+    with open(f(c, split="train"), "wb") as handle:
+        handle.write(text.replace(b"\n", b"\r"))
+
+
 def latin1_train(c):
     write_lines(f(c, split="train"), [f"Phrase numéro {k}, déjà vu." for k in range(30)], encoding="latin-1")
 
@@ -442,6 +451,7 @@ CORPUS_CASES = [
     ("utf32-bom", encoded("utf-32"), {}, ["opus.en-fr-dev.fr", "UTF-32"]),
     ("utf8-bom", encoded("utf-8", b"\xef\xbb\xbf"), {}, ["opus.en-fr-dev.fr", "byte-order mark"]),
     ("nul-byte", nul_in_line_3, {}, ["opus.en-fr-dev.fr line 3", "NUL"]),
+    ("cr-line-endings", cr_line_endings, {}, ["opus.en-fr-train.fr", "CR only"]),
     ("latin1-file", latin1_train, {}, ["opus.en-fr-train.fr", "not UTF-8"]),
     ("unknown-language", unknown_code, {}, ["opus.en-zz", "'zz'"]),
     ("language-not-lower-case", upper_code, {}, ["opus.en-fr-dev.FR"]),
