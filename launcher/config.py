@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import re
 import stat
@@ -410,3 +411,35 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
         sub = os.path.join(cfg.run_dir, name)
         if os.path.lexists(sub) and not os.path.isdir(sub):
             raise ConfigError(f"{where}: run_dir: {sub} exists and is not a folder; move it away")
+
+
+# Keys a resumed run may not change: the checkpoint's tensors and their partition depend on them.
+# Activation checkpointing, precision and everything in train/data may change between launches.
+FIXED_ON_RESUME = ([("model", f.name) for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"]
+                   + [("parallel", key) for key in ("pipeline_stages", "tensor_parallel", "data_parallel",
+                                                     "zero_stage", "partition_method")])
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """`section.key: old → new` for every key of FIXED_ON_RESUME that differs."""
+    return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} → {now[section][key]!r}"
+            for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
+
+
+def check_resume(cfg: RunConfig, where: str) -> None:
+    """An existing run directory is resumed: refuse a config whose model or layout differs from
+    the one its checkpoints were trained with (run_dir/config.json), naming the keys."""
+    saved_path = os.path.join(cfg.run_dir, "config.json")
+    if not os.path.isfile(saved_path):
+        return
+    try:
+        with open(saved_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{saved_path} is damaged ({e}); restore it, or use a new run_dir") from None
+    diffs = resume_differences(saved, to_dict(cfg))
+    if diffs:
+        raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
+                          f"({'; '.join(diffs)}); use a new run_dir, or convert the checkpoint")

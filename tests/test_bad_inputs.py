@@ -8,6 +8,7 @@ subset runs the real `./run.sh train` / `./run.sh prepare` as separate processes
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import typing
@@ -62,6 +63,23 @@ def loop(tmp_path):
 
 def folder(tmp_path):
     os.mkdir(tmp_path / "cfg.yaml")
+
+
+def resumed_with(change: dict, saved_text: str | None = None) -> callable:
+    """A run directory trained with the good config, resumed with `change` applied."""
+    def make(tmp_path):
+        from launcher.config import from_dict, to_dict, RunConfig
+
+        cfg = base_config(tmp_path)
+        cfg["run_dir"] = str(tmp_path / "old")
+        os.makedirs(cfg["run_dir"])
+        with open(os.path.join(cfg["run_dir"], "config.json"), "w") as handle:
+            handle.write(saved_text if saved_text is not None else
+                         json.dumps(to_dict(from_dict(RunConfig, cfg, "saved"))))
+        for section, values in change.items():
+            cfg[section].update(values)
+        return yaml.safe_dump(cfg)
+    return make
 
 
 def run_dir_is_file(tmp_path):
@@ -176,6 +194,9 @@ CONFIG_CASES = [
     ("run_dir-under-proc", with_key("run_dir", "/proc/deepnet-run"), ["run_dir", "/proc"]),
     ("run_dir-is-a-file", run_dir_is_file, ["run_dir", "not a folder"]),
     ("run_dir-empty", with_key("run_dir", ""), ["run_dir"]),
+    ("resume-other-shape", resumed_with({"model": {"d_model": 64}}), ["model.d_model: 32 → 64", "new run_dir"]),
+    ("resume-other-layout", resumed_with({"parallel": {"pipeline_stages": 3}}), ["parallel.pipeline_stages: 2 → 3"]),
+    ("resume-damaged-config-json", resumed_with({}, "{garbage"), ["config.json", "damaged"]),
     ("cluster-nodes-0", with_key("clusters", {"big": {"nodes": 0, "gpus_per_node": 2}}), ["clusters.big", "nodes"]),
 ]
 

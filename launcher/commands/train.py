@@ -6,7 +6,7 @@ import os
 import subprocess
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.config import ConfigError, check_device, check_run_dir, load_config
+from launcher.config import ConfigError, check_device, check_resume, check_run_dir, load_config
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
 
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     check_run_dir(cfg, args.config)
+    check_resume(cfg, args.config)
     check_device(cfg, args.config)
     p, world = cfg.parallel, cfg.world_size
     layout = (f"pipeline_stages={p.pipeline_stages} × tensor_parallel={p.tensor_parallel} × "
