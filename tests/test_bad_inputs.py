@@ -263,6 +263,14 @@ def test_the_good_config_passes_every_check(tmp_path):
     assert cfg.train.lr == 5e-4 and not (tmp_path / "run").exists()
 
 
+def test_prepare_checks_the_device_when_asked_and_refuses_a_changed_resume(tmp_path, capsys):
+    path = write_case(tmp_path, with_key("parallel.precision", "fp16"))
+    assert_one_line_error(*run_cli(["prepare", path, "--check-device"], capsys), ["parallel.precision=fp16"])
+    path = write_case(tmp_path, resumed_with({"model": {"heads": 2}}))
+    assert_one_line_error(*run_cli(["prepare", path], capsys), ["model.heads: 4 → 2"])
+    assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "old") == ["config.json"]
+
+
 def test_norm_enumeration_matches_the_strategies():
     from model.config import Norm
     from model.norms import STRATEGIES
