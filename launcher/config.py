@@ -347,6 +347,33 @@ def validate(cfg: RunConfig, where: str) -> None:
     if p.pipeline_stages > n_layers:
         raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the "
                           f"{n_layers} pipeline layers of the model")
+    if p.partition_method.startswith("type:"):
+        check_type_partition(cfg, where)
+
+
+def check_type_partition(cfg: RunConfig, where: str) -> None:
+    """`partition_method: type:REGEX` as DeepSpeed applies it (its `regex` module, case-insensitive
+    search in the class names of the pipeline layers): it must match a layer and give every stage
+    at least one layer, or the ranks fail after they started."""
+    import regex
+    from deepspeed.runtime.utils import partition_balanced
+
+    from parallel.pipeline import layer_specs
+
+    pattern = cfg.parallel.partition_method[len("type:"):]
+    try:
+        search = regex.compile(pattern, regex.IGNORECASE).search
+    except regex.error as e:
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r}: {e}") from None
+    names = [spec.typename.__name__ for spec in layer_specs(dataclasses.replace(cfg.model, vocab_size=16), 0)]
+    weights = [int(bool(search(name))) for name in names]
+    if not any(weights):
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} matches none of the "
+                          f"pipeline layers ({', '.join(sorted(set(names)))})")
+    parts = partition_balanced(weights, cfg.parallel.pipeline_stages)
+    if any(a == b for a, b in zip(parts, parts[1:])):
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} leaves a pipeline "
+                          "stage without layers; use cost (the default)")
 
 
 def parameters(cfg: RunConfig) -> int:

@@ -169,6 +169,8 @@ CONFIG_CASES = [
     ("precision-fp8", with_key("parallel.precision", "fp8"), ["parallel.precision", "fp16"]),
     ("precision-fp16-unsupported", with_key("parallel.precision", "fp16"), ["parallel.precision=fp16", "not supported"]),
     ("partition-unknown", with_key("parallel.partition_method", "balanced"), ["parallel.partition_method", "uniform"]),
+    ("partition-type-matching-nothing", with_key("parallel.partition_method", "type:Nothing"),
+     ["parallel.partition_method", "matches none"]),
     ("partition-bad-regex", with_key("parallel.partition_method", "type:(["), ["parallel.partition_method"]),
     ("zero_stage-2", with_key("parallel.zero_stage", 2), ["parallel.zero_stage"]),
     ("data_parallel-0", with_key("parallel.data_parallel", 0), ["parallel.data_parallel"]),
