@@ -9,6 +9,8 @@ from model.config import NonNegative, Positive, Range, Rule, check_fields
 
 PositiveFloat = Annotated[float, Range(gt=0.0)]
 Seed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # numpy's generators take 32-bit seeds
+CorpusName = Annotated[str, Rule(lambda v: bool(v.strip()),
+                                 "must name a corpus folder, gettext:<folder> or bundled:django")]
 
 BUNDLED_DJANGO = "bundled:django"
 GETTEXT_PREFIX = "gettext:"
@@ -18,7 +20,7 @@ GETTEXT_PREFIX = "gettext:"
 class DataConfig:
     """Where the parallel text comes from and how it becomes batches of token ids."""
 
-    corpus: Annotated[str, Rule(lambda v: bool(v.strip()), "must name a corpus folder, gettext:<folder> or bundled:django")] = BUNDLED_DJANGO
+    corpus: CorpusName = BUNDLED_DJANGO
     """``bundled:django`` builds an English-centric corpus from the gettext catalogs that the
     installed Django ships (real translations, no download); ``gettext:<folder>`` does the same
     from any folder of ``.po``/``.mo`` catalogs. Anything else is a corpus folder holding

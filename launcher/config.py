@@ -17,6 +17,7 @@ import yaml
 from data.config import DataConfig, Seed
 from model.config import ModelConfig, NonNegative, Positive, Range, Rule, check_fields
 
+FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
 
 
@@ -34,6 +35,10 @@ def _partition_method_ok(method: str) -> bool:
     except re.error:
         return False
     return True
+
+
+PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
+                                      "(a valid regular expression)")]
 
 
 @dataclass(kw_only=True)
@@ -55,7 +60,7 @@ class ParallelConfig:
     """Recompute activations every this many layers in backward (0 = off)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32 | bf16 | fp16 (bf16 on GPUs; on CPUs without bf16 instructions it is ~3× slower)."""
-    partition_method: Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX (a valid regular expression)")] = "cost"
+    partition_method: PartitionMethod = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
 
@@ -118,7 +123,7 @@ class ClusterLayout:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")] = "runs/default"
+    run_dir: FolderPath = "runs/default"
     """Where data, checkpoints, logs and the summary go. An existing run directory is resumed."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
