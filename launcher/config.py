@@ -146,8 +146,10 @@ def _type_name(typ) -> str:
     return names.get(base, getattr(base, "__name__", str(base)))
 
 
-def _coerce(value, typ, where: str):
-    """Check/convert one YAML value against a dataclass field type (Annotated and Literal too)."""
+def _coerce(value, typ, file: str, key: str):
+    """Check/convert the YAML value of `key` in `file` against a dataclass field type (Annotated
+    and Literal too)."""
+    where = f"{file}: {key}"
     if typing.get_origin(typ) is Annotated:
         typ = typing.get_args(typ)[0]
     origin = typing.get_origin(typ)
@@ -176,13 +178,13 @@ def _coerce(value, typ, where: str):
         return dict(value)
     if origin is dict and isinstance(value, dict):
         item = typing.get_args(typ)[1]
-        return {str(k): from_dict(item, v, f"{where}.{k}") if dataclasses.is_dataclass(item) else v
+        return {str(k): from_dict(item, v, file, f"{key}.{k}.") if dataclasses.is_dataclass(item) else v
                 for k, v in value.items()}
     if origin in (list, tuple) and isinstance(value, (list, tuple)):
         args = typing.get_args(typ)
         if origin is tuple and len(args) != len(value):
             raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
-        items = [_coerce(v, args[0] if origin is list else args[i], f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_coerce(v, args[0] if origin is list else args[i], file, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (list, tuple):
         raise ConfigError(f"{where}={value!r}: expected a list, e.g. [{', '.join(['…'] * 2)}]")
@@ -211,12 +213,14 @@ def from_dict(cls, values: dict, where: str, prefix: str = ""):
         if dataclasses.is_dataclass(typ):
             kwargs[name] = from_dict(typ, value, where, f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(value, typ, f"{where}: {prefix}{name}")
+            kwargs[name] = _coerce(value, typ, where, f"{prefix}{name}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: {prefix}{missing[0]} is required; give it a value")
     try:
         obj = cls(**kwargs)
         check_fields(obj, prefix.rstrip(".") or "run")
-    except TypeError as e:  # a required key without a default is missing
-        raise ConfigError(f"{where}: {section}: {e}".replace("__init__() ", "")) from None
     except ValueError as e:
         message = str(e)
         raise ConfigError(f"{where}: {message.removeprefix('run.')}") from None

@@ -199,6 +199,7 @@ CONFIG_CASES = [
     ("resume-other-shape", resumed_with({"model": {"d_model": 64}}), ["model.d_model: 32 → 64", "new run_dir"]),
     ("resume-other-layout", resumed_with({"parallel": {"pipeline_stages": 3}}), ["parallel.pipeline_stages: 2 → 3"]),
     ("resume-damaged-config-json", resumed_with({}, "{garbage"), ["config.json", "damaged"]),
+    ("cluster-nodes-missing", with_key("clusters", {"big": {"gpus_per_node": 2}}), ["clusters.big", "nodes is required"]),
     ("cluster-nodes-0", with_key("clusters", {"big": {"nodes": 0, "gpus_per_node": 2}}), ["clusters.big", "nodes"]),
 ]
 
