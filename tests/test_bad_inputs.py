@@ -68,7 +68,7 @@ def folder(tmp_path):
 def resumed_with(change: dict, saved_text: str | None = None) -> callable:
     """A run directory trained with the good config, resumed with `change` applied."""
     def make(tmp_path):
-        from launcher.config import from_dict, to_dict, RunConfig
+        from launcher.config import RunConfig, from_dict, to_dict
 
         cfg = base_config(tmp_path)
         cfg["run_dir"] = str(tmp_path / "old")
@@ -257,7 +257,8 @@ def test_bad_config_stops_before_any_rank_with_one_line(tmp_path, capsys, no_lau
 def test_the_good_config_passes_every_check(tmp_path):
     """The base of the table is valid, so each case fails for its one change (and 5e-4 written
     without a dot, which YAML reads as a string, is the number it spells)."""
-    from launcher.config import check_device, check_run_dir, load_config
+    from launcher.config import load_config
+    from launcher.preflight import check_device, check_run_dir
 
     path = write_case(tmp_path, yaml.safe_dump(base_config(tmp_path)).replace("train:\n", "train:\n  lr: 5e-4\n"))
     cfg = load_config(path)

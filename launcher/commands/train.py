@@ -6,7 +6,8 @@ import os
 import subprocess
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.config import ConfigError, check_device, check_resume, check_run_dir, load_config
+from launcher.config import ConfigError, load_config
+from launcher.preflight import check_device, check_resume, check_run_dir
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
 
