@@ -256,7 +256,7 @@ def line_offsets(path: str, every: int) -> tuple[int, list[int]]:
                 hint = ("the file looks like UTF-16 or UTF-32; convert it to UTF-8 with iconv"
                         if block.count(b"\0", nul, nul + 64) >= 16 else "remove the NUL bytes or the line")
                 raise DataError(f"{path} line {line}: contains a NUL byte (binary data?); {hint}")
-            if not position and b"\r" in block and b"\n" not in block.rstrip(b"\n"):
+            if not position and b"\n" not in block and b"\r" in block.rstrip(b"\r"):
                 raise DataError(f"{path}: lines end in CR only (old Mac line endings), so the file "
                                 f"reads as one line; convert it (tr '\\r' '\\n' < {path})")
             ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)
