@@ -546,7 +546,7 @@ def test_real_cli_refuses_bad_inputs_without_starting_ranks(tmp_path):
         folder_ = tmp_path / name
         folder_.mkdir(exist_ok=True)
         cases.append((write_case(folder_, content), command, words, folder_))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # conftest chose the accelerator (DS_ACCELERATOR)
     for batch in (cases[i:i + 2] for i in range(0, len(cases), 2)):
         procs = [(subprocess.Popen([os.path.join(ROOT, "run.sh"), command, path], cwd=ROOT, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), words, folder_)
