@@ -186,7 +186,8 @@ def list_pairs(corpus_dir: str) -> list[CorpusPair]:
         if ext not in (a, b, "tsv"):
             raise DataError(f"{path}: the extension must be {a}, {b} or tsv, not {ext!r}")
         if (b, a) in found:
-            raise DataError(f"{path}: pair {a}-{b} is also given as {b}-{a}; keep one order")
+            other = next(iter(next(iter(found[(b, a)].values())).values()))
+            raise DataError(f"{path}: pair {a}-{b} is also given as {b}-{a} ({other}); keep one order")
         by_ext = found.setdefault((a, b), {}).setdefault(split, {})
         if ext in by_ext:
             raise DataError(f"{path} and {by_ext[ext]} both give split {split} of {a}-{b}")
