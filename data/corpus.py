@@ -120,20 +120,29 @@ def _candidates(corpus_dir: str) -> Iterator[str]:
     def walk_error(error: OSError) -> None:
         raise DataError(f"{error.filename}: cannot be read ({error.strerror}); fix its permissions")
 
+    seen: set[str] = set()
     for folder, subfolders, files in os.walk(corpus_dir, followlinks=True, onerror=walk_error):
-        real = os.path.realpath(folder)
+        seen.add(os.path.realpath(folder))
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         for name in subfolders:
             path = os.path.join(folder, name)
-            if os.path.islink(path) and (real + os.sep).startswith(os.path.realpath(path) + os.sep):
-                raise DataError(f"{path}: symbolic link loop (it points to {os.path.realpath(path)}, "
-                                "a folder above it); remove the link")
-            if not name.startswith(".") and _match(name) is not None:
+            if os.path.islink(path) and os.path.realpath(path) in seen | _ancestors(folder):
+                raise DataError(f"{path}: symbolic link to {os.path.realpath(path)}, a folder that is "
+                                "already read (a loop, or the same text twice); remove the link")
+            if _OPUS.match(name) or _PLAIN.match(name):
                 raise DataError(f"{path}: is a folder, but its name is that of a corpus file; "
                                 "rename it or replace it by the text file")
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
         for name in sorted(files):
             if not name.startswith("."):
                 yield os.path.join(folder, name)
+
+
+def _ancestors(folder: str) -> set[str]:
+    real, parents = os.path.realpath(folder), set()
+    while real not in parents:
+        parents.add(real)
+        real = os.path.dirname(real)
+    return parents
 
 
 def check_file(path: str) -> None:

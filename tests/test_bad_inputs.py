@@ -374,6 +374,11 @@ def folder_loop(c):
     os.symlink(os.path.join(c, "en-fr"), os.path.join(c, "en-fr", "again"))
 
 
+def sibling_loop(c):
+    os.symlink(os.path.join(c, "en-fr"), os.path.join(c, "en-de", "x"))
+    os.symlink(os.path.join(c, "en-de"), os.path.join(c, "en-fr", "y"))
+
+
 def same_file_both_sides(c):
     relink(f(c), f(c, side="en"))
 
@@ -484,7 +489,8 @@ CORPUS_CASES = [
     ("dev-all-dropped", dev_all_too_long, {}, ["opus.en-fr-dev", "none of the 8", "too_long_chars"]),
     ("dangling-symlink", dangling, {}, ["opus.en-fr-dev.fr", "dangling"]),
     ("file-symlink-loop", file_loop, {}, ["opus.en-fr-dev.fr", "loop"]),
-    ("folder-symlink-loop", folder_loop, {}, ["again", "loop"]),
+    ("folder-symlink-loop", folder_loop, {}, ["again", "already read"]),
+    ("sibling-symlink-loop", sibling_loop, {}, ["symbolic link", "already read"]),
     ("same-file-both-sides", same_file_both_sides, {}, ["opus.en-fr-dev.fr", "same file"]),
     ("dev-is-train", dev_is_train, {}, ["opus.en-fr-dev", "same file"]),
     ("utf16-bom", encoded("utf-16"), {}, ["opus.en-fr-dev.fr", "UTF-16"]),
@@ -535,6 +541,10 @@ def test_the_good_corpus_passes_the_checks(tmp_path):
 
     corpus = good_corpus(tmp_path)
     check_corpus(DataConfig(corpus=corpus, languages=[]))
+    assert [p.name for p in list_pairs(corpus)] == ["en-de", "en-fr"]
+    # A pair folder that is a symbolic link to text kept elsewhere is read, not skipped.
+    os.rename(os.path.join(corpus, "en-fr"), tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", os.path.join(corpus, "en-fr"))
     assert [p.name for p in list_pairs(corpus)] == ["en-de", "en-fr"]
 
 
