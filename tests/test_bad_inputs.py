@@ -216,12 +216,12 @@ class RankLaunched(Exception):
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Fails a case that gets as far as starting ranks."""
+    """Fails a case that gets as far as building the ranks' launch command."""
     import launcher.commands.train as train_command
 
     def refuse(*args, **kwargs):
-        raise RankLaunched(f"ranks were launched: {args[0] if args else kwargs}")
-    monkeypatch.setattr(train_command.subprocess, "call", refuse)
+        raise RankLaunched(f"ranks were about to be launched: {args}")
+    monkeypatch.setattr(train_command, "deepspeed_command", refuse)
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -239,6 +239,15 @@ def assert_one_line_error(code: int, out: str, err: str, words: list[str]) -> No
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for word in words:
         assert word in lines[0], f"{word!r} not in: {lines[0]}"
+
+
+def written_files(run_dir) -> list[str]:
+    """What a failed command left in `run_dir`: every file except a run lock's (a trainer holds
+    the run directory while it prepares the data, so a corpus error may leave its lock file)."""
+    if not os.path.exists(run_dir):
+        return []
+    return [os.path.join(folder, name) for folder, _, names in os.walk(run_dir) for name in names
+            if not name.startswith(".trainer.lock")]
 
 
 def write_case(tmp_path, content) -> str:
@@ -531,7 +540,7 @@ def test_bad_corpus_stops_before_any_rank_with_one_line(tmp_path, capsys, no_lau
     path = write_case(tmp_path, yaml.safe_dump(cfg))
     code, out, err = run_cli(["train", path], capsys)
     assert_one_line_error(code, out, err, words)
-    assert not (tmp_path / "run").exists(), "the failed preparation left a run directory behind"
+    assert written_files(tmp_path / "run") == [], "the failed preparation left files behind"
 
 
 def test_the_good_corpus_passes_the_checks(tmp_path):
@@ -576,5 +585,16 @@ def test_real_cli_refuses_bad_inputs_without_starting_ranks(tmp_path):
         for proc, words, folder_ in procs:
             out, err = proc.communicate(timeout=300)
             assert_one_line_error(proc.returncode, out, err, words)
-            assert "launching" not in out and not (folder_ / "run").exists()
+            assert "launching" not in out and written_files(folder_ / "run") == []
 
+
+
+def test_the_good_corpus_reaches_the_launch(tmp_path, capsys, no_launch):
+    """Positive control of the corpus table: unchanged, the same corpus and config are prepared
+    and get as far as the launch guard, so the table's refusals come from the checks."""
+    cfg = base_config(tmp_path, good_corpus(tmp_path))
+    cfg["data"].update(vocab_size=300, spm_sample_sentences=1000)
+    path = write_case(tmp_path, yaml.safe_dump(cfg))
+    with pytest.raises(RankLaunched):
+        run_cli(["train", path], capsys)
+    assert os.path.exists(tmp_path / "run" / "data" / "manifest.json")
