@@ -35,7 +35,7 @@ from data.binarize import binarize_shard, load_stats, shard_done, token_dtype
 from data.config import BUNDLED_DJANGO, GETTEXT_PREFIX, DataConfig
 from data.corpus import SPLITS, CorpusPair, corpus_languages, list_pairs, select_pairs
 from data.errors import DataError
-from data.gettext_corpus import build_django_corpus, build_gettext_corpus, find_catalogs
+from data.gettext_corpus import build_django_corpus, build_gettext_corpus, django_locale_root, find_catalogs
 from data.shards import Shard, output_prefix, plan_shards, shard_from_dict
 from data.spm import load_tokenizer, train_spm, write_sample
 from data.validate import (
@@ -202,12 +202,15 @@ def check_corpus(cfg: DataConfig) -> None:
     """The checks that need no pass over the text: the corpus folder, its file names, kinds,
     encodings marks and language codes, the selected pairs and their splits. Cheap, so they run
     before anything is created."""
-    if cfg.corpus == BUNDLED_DJANGO:
-        return
-    if cfg.corpus.startswith(GETTEXT_PREFIX):
-        root = cfg.corpus[len(GETTEXT_PREFIX):]
+    if cfg.corpus == BUNDLED_DJANGO or cfg.corpus.startswith(GETTEXT_PREFIX):
+        root = django_locale_root() if cfg.corpus == BUNDLED_DJANGO else cfg.corpus[len(GETTEXT_PREFIX):]
         if not os.path.isdir(root):
             raise DataError(f"data.corpus={cfg.corpus!r}: {root!r} is not a folder of gettext catalogs")
+        catalogs = find_catalogs(root)
+        missing = [language for language in cfg.languages if language not in catalogs]
+        if missing:
+            raise DataError(f"data.languages: no catalogs for {missing} under {root}; available: "
+                            f"{', '.join(catalogs)}")
         return
     check_layout(select_pairs(list_pairs(cfg.corpus), cfg.languages))
 
