@@ -25,11 +25,11 @@ import json
 import os
 import shutil
 import time
-
-import numpy as np
 from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import groupby
+
+import numpy as np
 
 from data.binarize import binarize_shard, load_stats, shard_done, token_dtype
 from data.config import BUNDLED_DJANGO, GETTEXT_PREFIX, DataConfig

@@ -16,7 +16,7 @@ import typing
 import pytest
 import yaml
 
-from conftest import ROOT, TINY_DATA, TINY_MODEL
+from tests.conftest import ROOT, TINY_DATA, TINY_MODEL
 
 LANGS = ("de", "fr")
 
