@@ -80,3 +80,110 @@ def deepnorm_model(tiny_data, tmp_path_factory):
     net = train_tiny(tiny_data, "deepnorm", 400)
     path = save_consolidated(net, tiny_data, str(tmp_path_factory.mktemp("export") / "deepnorm.pt"))
     return net, path
+
+
+def export(source: str, out: str, *extra: str) -> int:
+    return cli(["export", source, "--to", *extra[:1], out, *extra[1:]]) if extra else -1
+
+
+def dev_batches(data_dir: str) -> list[dict]:
+    return eval_batches(PairDataset(os.path.join(data_dir, "dev")), 512)[:3]
+
+
+@pytest.mark.parametrize("norm", EXPORTABLE)
+def test_transformers_logits_equal_the_projects_for_every_exportable_strategy(tiny_data, tmp_path, norm):
+    from transformers import AutoModelForSeq2SeqLM
+
+    net = train_tiny(tiny_data, norm, 12)
+    source = save_consolidated(net, tiny_data, str(tmp_path / "model.pt"))
+    assert cli(["export", source, "--to", "hf", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "hf")).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for batch in dev_batches(tiny_data):
+            src, tgt = batch["src"], batch["tgt_in"]
+            ours = net(src, tgt)
+            theirs = hf(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt,
+                        decoder_attention_mask=(tgt != 0).long()).logits
+            keep = batch["tgt_out"] != 0
+            worst = max(worst, (ours[keep] - theirs[keep]).abs().max().item())
+    print(f"{norm}: max |Δ logit| {worst:.2e}")
+    assert worst <= 1e-4
+    if norm in ("postln", "postln-init", "branchnorm"):  # nothing rescaled: the same arithmetic
+        assert worst <= 1e-5
+
+
+def test_deepnorm_difference_is_the_layernorm_epsilon(deepnorm_model, tiny_data, tmp_path):
+    """Marian has one LayerNorm ε (1e-5); DeepNorm's exact equivalent is ε/α² per stack. Setting
+    that ε in the loaded model must shrink the difference: the rest is float rounding."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from model.transformer import stack_norms
+
+    net, source = deepnorm_model
+    assert cli(["export", source, "--to", "hf", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path / "hf")).eval()
+    batch = dev_batches(tiny_data)[0]
+    keep = batch["tgt_out"] != 0
+
+    def diff() -> float:
+        with torch.no_grad():
+            theirs = hf(input_ids=batch["src"], attention_mask=(batch["src"] != 0).long(),
+                        decoder_input_ids=batch["tgt_in"]).logits
+            return (net(batch["src"], batch["tgt_in"])[keep] - theirs[keep]).abs().max().item()
+
+    as_exported = diff()
+    enc, dec = stack_norms(net.cfg)
+    for stack, alpha in ((hf.model.encoder, enc.alpha), (hf.model.decoder, dec.alpha)):
+        for module in stack.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.eps = 1e-5 / alpha**2
+    exact = diff()
+    print(f"deepnorm: max |Δ logit| {as_exported:.2e} with ε = 1e-5, {exact:.2e} with ε/α²")
+    assert as_exported <= 1e-4 and exact < as_exported
+    readme = open(tmp_path / "hf" / "README.md", encoding="utf-8").read()
+    assert "ε/α²" in readme and "<2de>" in readme
+
+
+def test_tokenizer_gives_the_projects_ids_and_text(deepnorm_model, tiny_data, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, source = deepnorm_model
+    assert cli(["export", source, "--to", "hf", str(tmp_path / "hf")]) == 0
+    with open(os.path.join(tiny_data, "spm.model"), "rb") as f, open(tmp_path / "hf" / "source.spm", "rb") as g:
+        assert f.read() == g.read()  # the SentencePiece model, byte for byte
+    ours = Tokenizer(os.path.join(tiny_data, "spm.model"))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs.get_vocab() == {ours.sp.id_to_piece(i): i for i in range(ours.vocab_size)}
+    lines = read_test_lines(tiny_data, "en-de", "en") + read_test_lines(tiny_data, "en-de", "de")
+    lines += ["  two  spaces  ", "Größe 日本語 😀", "%(value)s."]
+    for language in ("de", "fr", "en"):
+        for text in lines:
+            ids = ours.encode_source(text, language)
+            assert theirs(f"<2{language}>" + text)["input_ids"] == ids, text
+            if text == text.strip():  # MarianTokenizer strips the decoded text
+                assert theirs.decode(ids[1:], skip_special_tokens=True) == ours.decode(ids[1:])
+
+
+def test_refused_strategies_say_why_and_write_nothing(tiny_data, tmp_path, capsys):
+    cases = [("preln", {}, "Pre-LN"), ("subln", {}, "inside the sub-layers"),
+             ("branchnorm", {"branchnorm_max_norm_step": 100}, "still partly normalised")]
+    for norm, extra, reason in cases:
+        net = train_tiny(tiny_data, norm, 2, **extra)
+        source = save_consolidated(net, tiny_data, str(tmp_path / f"{norm}.pt"))
+        out = tmp_path / f"out-{norm}"
+        for fmt in ("hf", "ctranslate2"):
+            assert cli(["export", source, "--to", fmt, str(out)]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and reason in err and err.count("\n") == 1, err
+            assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".out-")]
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "x").write_text("x")
+    assert cli(["export", str(tmp_path / "preln.pt"), "--to", "hf", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+def read_test_lines(data_dir: str, pair: str, language: str, n: int = 30) -> list[str]:
+    with open(os.path.join(data_dir, "corpus", pair, f"opus.{pair}-test.{language}"), encoding="utf-8") as f:
+        return f.read().splitlines()[:n]
