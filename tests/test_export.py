@@ -187,3 +187,102 @@ def test_refused_strategies_say_why_and_write_nothing(tiny_data, tmp_path, capsy
 def read_test_lines(data_dir: str, pair: str, language: str, n: int = 30) -> list[str]:
     with open(os.path.join(data_dir, "corpus", pair, f"opus.{pair}-test.{language}"), encoding="utf-8") as f:
         return f.read().splitlines()[:n]
+
+
+DIRECTIONS = [("en-de", "en", "de"), ("en-de", "de", "en")]  # (corpus pair, source, target)
+N_SENTENCES = 20
+
+
+class OnlyEosAtLimit:
+    """`./run.sh translate`'s length cap as a transformers logits processor: after `limit`
+    generated tokens only eos may follow, with its own log-probability (transformers'
+    forced_eos_token_id would give it log p = 0 instead)."""
+
+    def __init__(self, limit: int, eos: int):
+        self.limit, self.eos = limit, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] - 1 == self.limit:  # minus the decoder start token
+            keep = scores[:, self.eos].clone()
+            scores[:] = float("-inf")
+            scores[:, self.eos] = keep
+        return scores
+
+
+def project_translations(source: str, lines: list[str], target: str, tmp_path, beam: int) -> list[str]:
+    src, out = tmp_path / "in.txt", tmp_path / f"out-{target}-{beam}.txt"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    search = ["--greedy"] if beam == 1 else ["--beam", str(beam)]
+    assert cli(["translate", source, "--to", target, "-i", str(src), "-o", str(out), "--threads", "1", *search]) == 0
+    return out.read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module")
+def exported(deepnorm_model, tmp_path_factory):
+    _, source = deepnorm_model
+    work = tmp_path_factory.mktemp("exported")
+    start = time.perf_counter()
+    assert cli(["export", source, "--to", "hf", str(work / "hf")]) == 0
+    assert cli(["export", source, "--to", "ctranslate2", str(work / "ct2")]) == 0
+    assert cli(["export", source, "--to", "ctranslate2", str(work / "ct2-int8"), "--quantization", "int8"]) == 0
+    print(f"three exports in {time.perf_counter() - start:.1f} s")
+    return work
+
+
+@pytest.mark.parametrize("beam", [1, 5])
+def test_translations_are_the_same_strings_in_transformers_and_ctranslate2(deepnorm_model, exported, tiny_data,
+                                                                          tmp_path, beam):
+    import ctranslate2
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, LogitsProcessorList
+
+    _, source = deepnorm_model
+    tok = AutoTokenizer.from_pretrained(str(exported / "hf"))
+    hf = AutoModelForSeq2SeqLM.from_pretrained(str(exported / "hf")).eval()
+    ct2 = ctranslate2.Translator(str(exported / "ct2"), device="cpu", intra_threads=1)
+    never = [[t] for t in tok.all_special_tokens if t.startswith("<2")] + [["<s>"], ["<pad>"]]
+    at_limit = compared = 0
+    for pair, src_lang, tgt_lang in DIRECTIONS:
+        lines = read_test_lines(tiny_data, pair, src_lang, N_SENTENCES)
+        ours = project_translations(source, lines, tgt_lang, tmp_path, beam)
+        assert len(ours) == len(lines)
+        for line, expected in zip(lines, ours, strict=True):
+            enc = tok([f"<2{tgt_lang}>" + line], return_tensors="pt")
+            limit = int(1.2 * enc.input_ids.shape[1] + 10)  # translate's default a·|src| + b
+            with torch.no_grad():
+                out = hf.generate(**enc, num_beams=beam, length_penalty=1.0, max_length=limit + 2,
+                                  logits_processor=LogitsProcessorList([OnlyEosAtLimit(limit, tok.eos_token_id)]))
+            assert tok.decode(out[0], skip_special_tokens=True) == expected, line
+            pieces = tok.convert_ids_to_tokens(enc.input_ids[0])
+            result = ct2.translate_batch([pieces], beam_size=beam, length_penalty=1.0, max_decoding_length=limit,
+                                         suppress_sequences=never)[0].hypotheses[0]
+            if beam > 1 and len(result) == limit:
+                # CTranslate2 stops at the cap without scoring an eos; translate ends every
+                # hypothesis with eos and its log p, so hypotheses at the cap can rank differently.
+                at_limit += 1
+                continue
+            compared += 1
+            assert tok.convert_tokens_to_string(result) == expected, line
+    print(f"beam {beam}: {compared} CTranslate2 outputs compared, {at_limit} at the length cap skipped")
+    assert compared >= len(DIRECTIONS) * N_SENTENCES * 3 // 4
+
+
+def test_int8_bleu_is_within_half_a_point_of_float32(exported, tiny_data):
+    import ctranslate2
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(exported / "ct2" / "source.spm"))
+    never = [[f"<2{lang}>"] for lang in ("en", "de", "fr")] + [["<s>"], ["<pad>"]]
+    scores = {}
+    for name in ("ct2", "ct2-int8"):
+        translator = ctranslate2.Translator(str(exported / name), device="cpu", intra_threads=1)
+        hyps, refs = [], []
+        for pair, src_lang, tgt_lang in DIRECTIONS:
+            lines = read_test_lines(tiny_data, pair, src_lang, 40)
+            refs += read_test_lines(tiny_data, pair, tgt_lang, 40)
+            batch = [[f"<2{tgt_lang}>"] + sp.encode(line, out_type=str) + ["</s>"] for line in lines]
+            results = translator.translate_batch(batch, beam_size=5, length_penalty=1.0, max_decoding_length=64,
+                                                 suppress_sequences=never)
+            hyps += [sp.decode(r.hypotheses[0]) for r in results]
+        scores[name] = sacrebleu.corpus_bleu(hyps, [refs], tokenize="13a").score
+    print(f"BLEU float32 {scores['ct2']:.2f}, int8 {scores['ct2-int8']:.2f}")
+    assert abs(scores["ct2"] - scores["ct2-int8"]) <= 0.5
