@@ -121,8 +121,8 @@ def _usage_hf(lang: str) -> list[str]:
             'texts = ["Save and continue editing", "Enter a valid email address."]',
             f'batch = tokenizer(["<2{lang}>" + t for t in texts], return_tensors="pt", padding=True)',
             "# beam 5, length penalty 1.0 and the tokens never generated (pad, bos, language tags) come from",
-            "# generation_config.json; deepnet-trainer caps each output at 1.2 × source tokens + 10",
-            "out = model.generate(**batch, max_new_tokens=int(1.2 * batch.input_ids.shape[1]) + 10)",
+            "# generation_config.json; as deepnet-trainer: at most 1.2 × source tokens + 10, plus eos and the start token",
+            "out = model.generate(**batch, max_length=int(1.2 * batch.input_ids.shape[1]) + 12)",
             "print(tokenizer.batch_decode(out, skip_special_tokens=True))", "```", "",
             "Needs `transformers`, `torch` and `sentencepiece`. The tokenizer gives exactly the ids of "
             "`./run.sh translate`: the tag, the SentencePiece pieces of the text, `</s>`."]

@@ -328,3 +328,20 @@ def test_pipeline_parallel_checkpoint_exports_directly(tiny_data, tmp_path):
     assert total / tokens == pytest.approx(logged, rel=1e-5)
     card = (out / "README.md").read_text(encoding="utf-8")
     assert "optimizer steps: 2 (2 pipeline stages" in card and f"{logged:.4f}" in card
+
+
+@pytest.mark.parametrize("folder", ["hf", "ct2"])
+def test_model_card_usage_snippet_runs(exported, folder, capsys):
+    import contextlib
+    import io
+
+    card = (exported / folder / "README.md").read_text(encoding="utf-8")
+    assert card.startswith("---\nlanguage:\n- en\n- de\n- fr\n")
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'path = "."' in code
+    code = code.replace('path = "."', f"path = {str(exported / folder)!r}")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, f"{folder}/README.md", "exec"), {})
+    translations = eval(printed.getvalue())  # the snippet prints a list of two strings
+    assert isinstance(translations, list) and len(translations) == 2 and all(isinstance(t, str) for t in translations)
