@@ -49,9 +49,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.quantization != "float32":
         return _fail("--quantization applies to --to ctranslate2 only (transformers weights are float32)")
 
+    import warnings
+
     import torch
+    from transformers.utils import logging as hf_logging
 
     from export.hf import ExportError, export_alphas
+
+    hf_logging.disable_progress_bar()  # no weight-loading bars in the command's output
+    # MarianTokenizer recommends sacremoses for a punctuation normaliser it never applies when encoding.
+    warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
     from parallel.checkpoints import CheckpointError, load_model
 
     start = time.perf_counter()
@@ -65,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(parent, exist_ok=True)
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
     try:
-        note = _export(loaded, alphas, args, work)
+        try:
+            note = _export(loaded, alphas, args, work)
+        except ExportError as e:
+            shutil.rmtree(work, ignore_errors=True)
+            return _fail(str(e))
         umask = os.umask(0)
         os.umask(umask)
         for folder, _, names in os.walk(work):  # mkdtemp and some writers create private files
@@ -86,7 +97,7 @@ def _export(loaded, alphas: tuple[float, float], args: argparse.Namespace, work:
     """Write the export into the empty folder `work`; returns the line that describes it."""
     from data.spm import Tokenizer
     from export.card import model_card, run_facts
-    from export.hf import TOKENIZER_FILES, write_hf
+    from export.hf import TOKENIZER_FILES, ExportError, write_hf
     from export.verify import verify_hf
 
     hf_dir = work if args.format == "hf" else os.path.join(work, ".hf")
@@ -99,8 +110,8 @@ def _export(loaded, alphas: tuple[float, float], args: argparse.Namespace, work:
     write_hf(loaded.model, loaded.spm_model, tokenizer, hf_dir)
     check = verify_hf(loaded.model, hf_dir, tokenizer.bos_id, first_piece, alphas)
     if check["max_abs_logit_diff"] > TOLERANCE:
-        raise SystemExit(f"error: the exported model's logits differ from the project's by "
-                         f"{check['max_abs_logit_diff']:.2e} (> {TOLERANCE}); nothing was written")
+        raise ExportError(f"the exported model's logits differ from the project's by "
+                          f"{check['max_abs_logit_diff']:.2e} (> {TOLERANCE}); nothing was written")
     note = _hf_note(loaded.model.cfg, alphas, check)
     if args.format == "ctranslate2":
         from export.ctranslate2 import convert, verify_ct2_note
