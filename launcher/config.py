@@ -74,6 +74,26 @@ class TrainConfig:
     instrument_interval: int = 0
     """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
     norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
+    # ---- fault tolerance (launcher/procs.py, launcher/guard.py, parallel/manifest.py) ----
+    collective_timeout_seconds: float = 600.0
+    """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on
+    every rank still alive, so a rank that dies ends the job instead of leaving the others hanging
+    (torch.distributed's timeout). Must exceed the slowest checkpoint save and resume."""
+    stop_grace_seconds: float = 25.0
+    """After SIGTERM (kill, scancel, SLURM's time limit) the ranks finish the step, checkpoint and
+    exit; a rank still running this many seconds later exits without a checkpoint. Keep it below
+    SLURM's KillWait (30 s by default)."""
+    divergence_policy: str = "stop"
+    """What a non-finite loss or gradient norm, or a loss spike, does (the update is never applied):
+    stop (exit with a message) | skip (drop the batch, keep the weights) | rollback (reload the last
+    good checkpoint and skip the data since it)."""
+    divergence_spike_factor: float = 4.0
+    """A loss above this factor × the median of the last `divergence_window` applied steps' losses
+    is a spike (0 = no spike check)."""
+    divergence_window: int = 20
+    """Applied steps whose losses form the median of the spike check (checked once it is full)."""
+    divergence_max_events: int = 10
+    """With skip or rollback: stop after this many divergence events in one run."""
 
 
 @dataclass(kw_only=True)
@@ -242,3 +262,18 @@ def validate(cfg: RunConfig, where: str) -> None:
         probe.validate()
     except ValueError as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def validate_fault_tolerance(cfg: RunConfig, where: str) -> None:
+    """Range checks of the fault-tolerance keys of `train` (the block at the end of TrainConfig)."""
+    t = cfg.train
+    for key in ("collective_timeout_seconds", "stop_grace_seconds"):
+        if not getattr(t, key) > 0:
+            raise ConfigError(f"{where}: train.{key}={getattr(t, key)} must be > 0 seconds")
+    if t.divergence_policy not in ("stop", "skip", "rollback"):
+        raise ConfigError(f"{where}: train.divergence_policy={t.divergence_policy!r}: use stop, skip or rollback")
+    if not t.divergence_spike_factor >= 0 or 0 < t.divergence_spike_factor <= 1:
+        raise ConfigError(f"{where}: train.divergence_spike_factor={t.divergence_spike_factor} must be > 1 "
+                          "(or 0 to turn the spike check off)")
+    if t.divergence_window < 1 or t.divergence_max_events < 1:
+        raise ConfigError(f"{where}: train.divergence_window and train.divergence_max_events must be >= 1")
