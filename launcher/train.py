@@ -175,7 +175,7 @@ class Trainer:
                      f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
                 self.set_aside(damaged)
             else:
-                log0(f"resumed from {path} at step {self.step} (verified)")
+                log0(f"resumed from {tag_dir} at step {self.step} (verified)")
             return
         listed = ", ".join(tags) or "none"
         raise SystemExit(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
@@ -351,8 +351,9 @@ class Trainer:
         rollback. Every rank gets here for the same step with the same event."""
         policy = self.cfg.train.divergence_policy
         count = len(self.guard.events)
-        what = (f"step {self.step}: {event['reason']} (loss {event['loss']}, grad norm {event['grad_norm']}); "
-                f"the update was not applied")
+        norm = event["grad_norm"]
+        what = (f"step {self.step}: {event['reason']} (grad norm "
+                f"{norm if isinstance(norm, str) or norm is None else format(norm, '.4g')}); the update was not applied")
         self.engine.monitor.write_events([("train/divergence_events", count, self.step)])
         if policy == "stop":
             raise DivergenceStop(f"{what} and nothing was saved. train.divergence_policy=stop: lower train.lr, "

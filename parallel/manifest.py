@@ -158,9 +158,12 @@ def read_latest(ckpt_dir: str) -> tuple[str | None, str]:
     try:
         with open(path, "rb") as f:
             raw = f.read(256)
+    except OSError as e:
+        return None, f"{path} cannot be read ({e.strerror})"
+    try:
         tag = raw.decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None, f"{path} is not readable text"
+    except UnicodeDecodeError:
+        tag = ""
     if not tag or not re.fullmatch(r"[\w.\-]+", tag):
         return None, f"{path} holds {raw[:40]!r}, not a checkpoint name"
     if not os.path.isdir(os.path.join(ckpt_dir, tag)):

@@ -39,6 +39,7 @@ def worker(tiny_data, tmp_path_factory):
                                      "lr": 0.002, "clip_norm": 1.0})
     out = str(work / "result.json")
     proc = launch(2, "tests/dist/fault_worker.py", ["--config", config, "--out", out])
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, "fault worker failed (its output is above)"
     with open(out) as f:
         return {"result": json.load(f), "log": proc.stdout + proc.stderr, "work": work}
@@ -104,12 +105,30 @@ def test_divergence_rollback_reloads_and_skips_the_window(worker):
 class Run:
     """`./run.sh train CONFIG` (the CLI behind it) in the background, its output collected."""
 
+    started: list[Run] = []
+
     def __init__(self, config: str):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", config, "--eval-sentences", "0"],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        Run.started.append(self)
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """What a failed test left running (the test itself asserts that nothing is)."""
+        for run in cls.started:
+            try:
+                procs = [psutil.Process(run.proc.pid), *run.tree()]
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        cls.started.clear()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -145,20 +164,30 @@ def _gone(procs: list[psutil.Process], timeout: float) -> float:
     return time.monotonic() - start
 
 
-def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tiny_data, tmp_path):
+@pytest.fixture
+def runs():
+    yield Run
+    Run.kill_all()
+
+
+def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tiny_data, tmp_path, runs):
     run_dir = str(tmp_path / "run")
-    config = write_run_config(str(tmp_path / "pp2.yaml"), run_dir, tiny_data, model={"dropout": 0.1},
-                              train={"micro_batches": 2, "save_interval": 2, "max_steps": 10, "valid_interval": 1000})
+
+    def config(name: str, max_steps: int) -> str:  # the same model and layout; only the length differs
+        return write_run_config(str(tmp_path / f"{name}.yaml"), run_dir, tiny_data, model={"dropout": 0.1},
+                                train={"micro_batches": 2, "save_interval": 2, "max_steps": max_steps,
+                                       "valid_interval": 1000})
+
     ckpt = os.path.join(run_dir, "checkpoints")
 
     # 1. SIGTERM to ./run.sh train: the step finishes, a checkpoint is committed, nothing is left.
-    first = Run(config)
+    first = Run(config("long", 2000))
     first.wait_for(r"step 3 \| loss")
     tree = first.tree()
-    assert len([p for p in tree if "launcher/train.py" in " ".join(p.cmdline())]) == 2
+    assert len([p for p in tree if "--local_rank=" in " ".join(p.cmdline())]) == 2
 
     # ... meanwhile a second trainer on the same run directory is refused, naming the first
-    second = subprocess.run([sys.executable, "-m", "launcher.cli", "train", config, "--eval-sentences", "0"],
+    second = subprocess.run([sys.executable, "-m", "launcher.cli", "train", config("long", 2000), "--eval-sentences", "0"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert second.returncode == 2
     assert re.fullmatch(rf"error: {re.escape(run_dir)} is in use by another trainer \(host \S+, PID "
@@ -167,7 +196,7 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
 
     sent = time.monotonic()
     first.proc.send_signal(signal.SIGTERM)
-    assert first.proc.wait(timeout=60) == 75
+    assert first.proc.wait(timeout=60) == 75, first.text()[-3000:]
     _gone(tree, timeout=10)
     elapsed = time.monotonic() - sent
     assert elapsed < 30, f"{elapsed:.1f} s from SIGTERM to every rank gone"
@@ -177,7 +206,7 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert os.path.exists(os.path.join(ckpt, f"step{stopped_at}", "manifest.json"))
 
     # 2. kill -9 of every process of the run while a checkpoint is being written
-    killed = Run(config)
+    killed = Run(config("long", 2000))
     killed.wait_for(rf"resumed from .*step{stopped_at} at step {stopped_at} \(verified\)")
     mid_save = None
     end = time.monotonic() + 240
@@ -200,7 +229,8 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     killed_losses = _losses(killed.text())
 
     # 3. the rerun resumes from the newest committed checkpoint; its losses are the killed run's
-    last = Run(config)
+    end_step = int(mid_save[4:]) + 2
+    last = Run(config("end", end_step))
     assert last.proc.wait(timeout=600) == 0, last.text()[-3000:]
     resumed = int(last.wait_for(r"resumed from .*step(\d+) at step \d+ \(verified\)").group(1))
     assert resumed < int(mid_save[4:])
@@ -210,5 +240,5 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert [again[s] for s in overlap] == [killed_losses[s] for s in overlap]
     with open(os.path.join(run_dir, "metrics", "train", "train_loss.csv"), newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, 11))
+    assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, end_step + 1))
     assert not [p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])]

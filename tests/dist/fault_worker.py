@@ -131,14 +131,15 @@ class Poison:
     snapshots the local weights before every step."""
 
     def __init__(self, at: int, factor: float):
-        self.at, self.factor, self.trainer = at, factor, None
+        self.at, self.factor, self.trainer, self.fired = at, factor, None, False
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.original = train_mod.to_pipe
 
     def __call__(self, batches, scale_num, total):
         t = self.trainer
         self.snapshots[t.step + 1] = [p.detach().clone() for p in t.module.parameters()]
-        if t.step + 1 == self.at:
+        if t.step + 1 == self.at and not self.fired:  # one bad batch (a rollback skips it)
+            self.fired = True
             return [(x, (tgt, scale * self.factor)) for x, (tgt, scale) in self.original(batches, scale_num, total)]
         return self.original(batches, scale_num, total)
 
