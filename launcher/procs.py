@@ -61,6 +61,7 @@ class Supervisor:
         self.deadline: float | None = None
         self.signals: list[int] = []
         self.ranks: dict[int, int] = {}  # pid → global rank
+        self.signalled: set[int] = set()
         self.dead_rank: tuple[int, int] | None = None
         self.vanished: dict[int, int] = {}  # pid → rank, ended and already reaped by the launcher
 
@@ -99,10 +100,21 @@ class Supervisor:
     def _signal_ranks(self, signum: int) -> None:
         self._find_ranks()
         for pid in self.ranks:
+            self.signalled.add(pid)
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:
                 pass
+
+    def _signal_late_ranks(self) -> None:
+        """Ranks the launcher started after the signal came get it too."""
+        if self.signals and len(self.signals) == 1:
+            for pid in set(self.ranks) - self.signalled:
+                self.signalled.add(pid)
+                try:
+                    os.kill(pid, self.signals[0])
+                except ProcessLookupError:
+                    pass
 
     def _killpg(self, signum: int) -> None:
         try:
@@ -166,6 +178,7 @@ class Supervisor:
                 now = time.monotonic()
                 if now >= next_scan:
                     self._find_ranks()
+                    self._signal_late_ranks()
                     self._check_ranks()
                     next_scan = now + 0.1
                 if self.deadline is not None and now >= self.deadline:
