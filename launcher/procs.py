@@ -256,8 +256,7 @@ def _rank() -> str:
 
 
 def _exit_now(code: int, why: str) -> None:
-    if _rank() == "0" or code not in (129, 130):
-        print(f"rank {_rank()}: {why}", file=sys.stderr, flush=True)
+    print(f"rank {_rank()}: {why}", file=sys.stderr, flush=True)
     os._exit(code)
 
 
@@ -282,15 +281,12 @@ def install_rank_handlers(grace_seconds: float) -> None:
             timer.daemon = True
             timer.start()
 
-    def on_stop_now(signum, frame):
-        code = 128 + signum
-        _exit_now(code, f"{signal.Signals(signum).name}: stopped without a checkpoint; the last saved "
-                        "checkpoint is resumed by the next ./run.sh train")
-
     signal.signal(signal.SIGUSR1, on_checkpoint_signal)
     signal.signal(signal.SIGTERM, on_checkpoint_signal)
-    signal.signal(signal.SIGINT, on_stop_now)
-    signal.signal(signal.SIGHUP, on_stop_now)
+    # The kernel's default action ends the process at once, also while it waits inside a
+    # collective (a Python handler would run only once the call returns); the supervisor says why.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def watch_owner() -> None:

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -470,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         if not _comm_failure(e):
             raise
         step = f" at step {trainer.step}" if trainer is not None else ""
-        print(f"rank {rank}: lost contact with the other ranks{step} ({str(e).splitlines()[0][:160]}); "
+        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
+        print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "
               "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
               file=sys.stderr, flush=True)
         os._exit(1)  # no teardown of a broken process group
