@@ -430,6 +430,9 @@ class Trainer:
         return summary
 
 
+_run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)
+
+
 def _comm_failure(e: BaseException) -> bool:
     if isinstance(e, getattr(torch.distributed, "DistError", ())):
         return True
@@ -455,8 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
         from launcher.runlock import RunDirBusy, RunLock
 
-        try:
-            RunLock(cfg.run_dir).acquire()  # held until this process ends
+        global _run_lock
+        try:  # held until this process ends (a lock object that is collected releases it)
+            _run_lock = RunLock(cfg.run_dir).acquire()
         except RunDirBusy as e:
             sys.exit(f"error: {e}")
     trainer = None

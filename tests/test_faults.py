@@ -242,3 +242,49 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
         rows = list(csv.reader(f))
     assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, end_step + 1))
     assert not [p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])]
+
+
+# ---- the pieces, in one process ------------------------------------------------------------------
+
+def test_lock_of_a_killed_trainer_is_refused_then_taken_over(tmp_path):
+    from launcher.runlock import RunDirBusy, RunLock
+
+    run_dir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+                               "from launcher.runlock import RunLock; lock = RunLock(sys.argv[2]).acquire();"
+                               "print('held', flush=True); time.sleep(600)", ROOT, run_dir],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RunDirBusy, match=rf"is in use by another trainer \(host \S+, PID {holder.pid}, since "):
+            RunLock(run_dir).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(run_dir).acquire()  # the dead holder's lock is simply taken
+    with open(os.path.join(run_dir, ".trainer.lock.json")) as f:
+        assert json.load(f)["pid"] == os.getpid()
+    lock.release()
+
+
+def test_manifest_names_every_kind_of_damage(tmp_path):
+    from parallel import manifest
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step3").mkdir(parents=True)
+    for name, size in (("a.pt", 5000), ("b.pt", 300), ("c.pt", 70)):
+        (ckpt / "step3" / name).write_bytes(os.urandom(size))
+    manifest.commit(str(ckpt), "step3", 3)
+    assert (ckpt / "latest").read_text() == "step3" and manifest.committed_tags(str(ckpt)) == ["step3"]
+    assert manifest.verify(str(ckpt / "step3")) == []
+    with open(ckpt / "step3" / "a.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 8 if f.read(8) != b"\0" * 8 else b"\1" * 8)
+    (ckpt / "step3" / "b.pt").write_bytes((ckpt / "step3" / "b.pt").read_bytes()[:10])
+    (ckpt / "step3" / "c.pt").unlink()
+    problems = manifest.verify(str(ckpt / "step3"))
+    assert [p.split("/")[-1] for p in problems] == [
+        "a.pt has changed since it was written (SHA-256 differs from the manifest)",
+        "b.pt has 10 bytes, the manifest says 300 (truncated)",
+        "c.pt is missing"]
+    assert manifest._deal({"x": 10, "y": 9, "z": 2}, 2) == [["x"], ["y", "z"]]
