@@ -93,8 +93,8 @@ class Trainer:
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-        manifest_ = load_manifest(self.data_dir)
-        cfg.model.vocab_size = cfg.model.vocab_size or manifest_["vocab_size"]
+        data_manifest = load_manifest(self.data_dir)
+        cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
         # Checkpoints with a manifest are this trainer's (verified on resume); a run directory made
         # by `./run.sh convert reshard` holds a universal checkpoint of another layout
         # (parallel/checkpoints.py); once this run saves its own, those take over. A `latest`
