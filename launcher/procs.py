@@ -173,14 +173,16 @@ class Supervisor:
             for s in handled:
                 if not (s == signal.SIGHUP and hup_ignored):
                     signal.signal(s, self._on_signal)
-            next_scan = 0.0
+            next_scan = next_check = 0.0
             while self.proc.poll() is None:
                 now = time.monotonic()
-                if now >= next_scan:
+                if now >= next_scan:  # the process tree: often until ranks appear, then rarely
                     self._find_ranks()
                     self._signal_late_ranks()
+                    next_scan = now + (2.0 if self.ranks else 0.1)
+                if now >= next_check:  # one /proc read per rank
                     self._check_ranks()
-                    next_scan = now + 0.1
+                    next_check = now + 0.1
                 if self.deadline is not None and now >= self.deadline:
                     self.log("ranks still running past their deadline: killing them")
                     self._killpg(signal.SIGKILL)
