@@ -99,7 +99,7 @@ class Supervisor:
 
     def _signal_ranks(self, signum: int) -> None:
         self._find_ranks()
-        for pid in self.ranks:
+        for pid in list(self.ranks):
             self.signalled.add(pid)
             try:
                 os.kill(pid, signum)
@@ -146,7 +146,7 @@ class Supervisor:
         exit status is in /proc/PID/stat meanwhile."""
         if self.dead_rank or self.signals:
             return
-        for pid, rank in self.ranks.items():
+        for pid, rank in list(self.ranks.items()):  # a signal handler may add ranks meanwhile
             status = _exit_status(pid)
             if status is None:
                 continue
@@ -184,7 +184,7 @@ class Supervisor:
                     self._check_ranks()
                     next_check = now + 0.1
                 if self.deadline is not None and now >= self.deadline:
-                    self.log("ranks still running past their deadline: killing them")
+                    self.log("processes of the run still there past the deadline: killing them")
                     self._killpg(signal.SIGKILL)
                     self.deadline = None
                 try:
