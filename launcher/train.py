@@ -353,8 +353,8 @@ class Trainer:
         policy = self.cfg.train.divergence_policy
         count = len(self.guard.events)
         norm = event["grad_norm"]
-        what = (f"step {self.step}: {event['reason']} (grad norm "
-                f"{norm if isinstance(norm, str) or norm is None else format(norm, '.4g')}); the update was not applied")
+        norm = norm if isinstance(norm, str) or norm is None else format(norm, ".4g")
+        what = f"step {self.step}: {event['reason']} (grad norm {norm}); the update was not applied"
         self.engine.monitor.write_events([("train/divergence_events", count, self.step)])
         if policy == "stop":
             raise DivergenceStop(f"{what} and nothing was saved. train.divergence_policy=stop: lower train.lr, "

@@ -187,8 +187,8 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert len([p for p in tree if "--local_rank=" in " ".join(p.cmdline())]) == 2
 
     # ... meanwhile a second trainer on the same run directory is refused, naming the first
-    second = subprocess.run([sys.executable, "-m", "launcher.cli", "train", config("long", 2000), "--eval-sentences", "0"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    second = subprocess.run([sys.executable, "-m", "launcher.cli", "train", config("long", 2000),
+                             "--eval-sentences", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert second.returncode == 2
     assert re.fullmatch(rf"error: {re.escape(run_dir)} is in use by another trainer \(host \S+, PID "
                         rf"{first.proc.pid}, since [\d\- :]+\); stop it first, or train into another run_dir\n",
