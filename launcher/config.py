@@ -96,6 +96,26 @@ class TrainConfig:
     instrument_interval: NonNegative = 0
     """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
     norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
+    # ---- fault tolerance (launcher/procs.py, launcher/guard.py, parallel/manifest.py) ----
+    collective_timeout_seconds: Annotated[float, Range(gt=0.0)] = 600.0
+    """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on
+    every rank still alive, so a rank that dies ends the job instead of leaving the others hanging
+    (torch.distributed's timeout). Must exceed the slowest checkpoint save and resume."""
+    stop_grace_seconds: Annotated[float, Range(gt=0.0)] = 25.0
+    """After SIGTERM (kill, scancel, SLURM's time limit) the ranks finish the step, checkpoint and
+    exit; a rank still running this many seconds later exits without a checkpoint. Keep it below
+    SLURM's KillWait (30 s by default)."""
+    divergence_policy: Literal["stop", "skip", "rollback"] = "stop"
+    """What a non-finite loss or gradient norm, or a loss spike, does (the update is never applied):
+    stop (exit with a message) | skip (drop the batch, keep the weights) | rollback (reload the last
+    good checkpoint and skip the data since it)."""
+    divergence_spike_factor: Annotated[float, Rule(lambda v: v == 0 or v > 1, "must be > 1, or 0 to turn the spike check off")] = 4.0
+    """A loss above this factor × the median of the last `divergence_window` applied steps' losses
+    is a spike (0 = no spike check)."""
+    divergence_window: Positive = 20
+    """Applied steps whose losses form the median of the spike check (checked once it is full)."""
+    divergence_max_events: Positive = 10
+    """With skip or rollback: stop after this many divergence events in one run."""
 
 
 @dataclass(kw_only=True)
@@ -381,3 +401,7 @@ def check_type_partition(cfg: RunConfig, where: str) -> None:
     if any(a == b for a, b in zip(parts, parts[1:])):
         raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} leaves a pipeline "
                           "stage without layers; use cost (the default)")
+
+
+def validate_fault_tolerance(cfg: RunConfig, where: str) -> None:
+    """Kept for callers; the fault-tolerance keys are checked from their annotations when read."""

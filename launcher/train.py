@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
-import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -24,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from launcher.config import RunConfig, load_config, to_dict  # noqa: E402
+from launcher import metrics, procs  # noqa: E402
+from launcher.config import ConfigError, RunConfig, load_config, to_dict, validate_fault_tolerance  # noqa: E402
+from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
-from parallel import rng  # noqa: E402
+from parallel import manifest, rng  # noqa: E402
 
 
 def log0(*args) -> None:
@@ -35,34 +38,40 @@ def log0(*args) -> None:
 
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
-# forwards it to every rank), or anyone may `kill -USR1` a single rank. The handler only sets a
-# flag; the ranks agree on it by a MAX all-reduce at every step boundary, so all of them stop after
-# the same step (a rank that left alone would leave the others blocked in the pipeline's send/recv),
-# save one checkpoint together, and exit with PREEMPTED_EXIT_CODE after rank 0 wrote
-# <run_dir>/preempted.json, which tells the job script to requeue the job.
+# forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
+# rank. The handler (launcher/procs.py) only sets a flag; the ranks agree on it by a MAX all-reduce
+# at every step boundary, so all of them stop after the same step (a rank that left alone would
+# leave the others blocked in the pipeline's send/recv), save one checkpoint together, and exit with
+# PREEMPTED_EXIT_CODE after rank 0 wrote <run_dir>/preempted.json, which tells the job script to
+# requeue the job. After SIGTERM a rank leaves without a checkpoint once train.stop_grace_seconds
+# have passed; SIGINT and SIGHUP stop it at once.
 PREEMPT_SIGNAL = signal.SIGUSR1
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: a temporary failure, to be retried
+PREEMPTED_EXIT_CODE = procs.PREEMPTED_EXIT_CODE
 PREEMPTED_MARKER = "preempted.json"
-_preempt_requested = False
 
 
-def _on_preempt_signal(signum, frame) -> None:
-    global _preempt_requested
-    _preempt_requested = True
-
-
-def install_preemption_handler() -> None:
-    signal.signal(PREEMPT_SIGNAL, _on_preempt_signal)
+def install_preemption_handler(grace_seconds: float = 25.0) -> None:
+    procs.install_rank_handlers(grace_seconds)
 
 
 def preemption_agreed() -> bool:
     """True on every rank once any rank has received the preemption signal (a collective call)."""
     from deepspeed.accelerator import get_accelerator
 
-    flag = torch.tensor([int(_preempt_requested)], dtype=torch.int32,
+    flag = torch.tensor([int(procs.stop.checkpoint)], dtype=torch.int32,
                         device=get_accelerator().current_device_name())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group, including those DeepSpeed creates for the pipeline, times out after
+    `seconds`: torch.distributed's new_group reads these module defaults when given no timeout."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=seconds)
+    if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
+        distributed_c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=seconds)
 
 
 def to_pipe(batches: list[dict], scale_num: int, total_tokens: int) -> list[tuple]:
@@ -77,21 +86,28 @@ class Trainer:
         from data.prepare import load_manifest
         from parallel.engine import build_engine, setup_distributed
 
-        install_preemption_handler()
-        setup_distributed()
+        install_preemption_handler(cfg.train.stop_grace_seconds)
+        set_collective_timeout(cfg.train.collective_timeout_seconds)
+        setup_distributed(cfg.train.collective_timeout_seconds)
         self.cfg = cfg
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-        manifest = load_manifest(self.data_dir)
-        cfg.model.vocab_size = cfg.model.vocab_size or manifest["vocab_size"]
-        # A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
-        # layout (parallel/checkpoints.py); once this run saves its own, 'latest' takes over.
-        has_latest = os.path.exists(os.path.join(self.ckpt_dir, "latest"))
-        universal = not has_latest and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal"))
+        data_manifest = load_manifest(self.data_dir)
+        cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
+        # Checkpoints with a manifest are this trainer's (verified on resume); a run directory made
+        # by `./run.sh convert reshard` holds a universal checkpoint of another layout
+        # (parallel/checkpoints.py); once this run saves its own, those take over. A `latest`
+        # without any manifest is a checkpoint of an older version of this trainer.
+        committed = manifest.committed_tags(self.ckpt_dir)
+        legacy, _ = (None, "") if committed else manifest.read_latest(self.ckpt_dir)
+        universal = (not committed and legacy is None
+                     and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
         self.engine, self.module = build_engine(cfg, cfg.model, load_universal=universal)
         self.dp = self.engine.grid.get_data_parallel_world_size()
         self.dp_rank = self.engine.grid.get_data_parallel_rank()
+        self.guard = DivergenceGuard(self.engine, cfg.train, self.dp)
+        metrics.install(self.engine)
         rng.seed_dropout(cfg.train.seed, self.engine.stage_id, self.dp_rank)
         if cfg.parallel.tensor_parallel > 1:
             from parallel.tensor import seed_tensor_parallel_rng
@@ -108,8 +124,15 @@ class Trainer:
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
-        if has_latest or universal:
+        if committed or manifest.read_latest(self.ckpt_dir)[1]:
             self.resume()
+        elif legacy or universal:
+            self.resume_unverified(legacy)
+        else:
+            for tag in manifest.uncommitted_tags(self.ckpt_dir):
+                log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
+        if torch.distributed.get_rank() == 0:
+            metrics.rewind(self.engine, self.step)
         # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
         # with the step on resume.
         self.step_blocks = step_blocks(self.module)
@@ -122,18 +145,87 @@ class Trainer:
             self.stability.start(self.step)
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def resume(self) -> None:
+    def resume(self, newest_step: int | None = None) -> None:
+        """Load the newest checkpoint (at most `newest_step`) that verifies against its manifest and
+        holds finite weights; say which ones were skipped and why; stop if none is left."""
         self.check_compatible()
-        path, client = self.engine.load_checkpoint(self.ckpt_dir)
+        tag_named, why = manifest.read_latest(self.ckpt_dir)
+        if why:
+            log0(f"warning: {why}; looking for the newest intact checkpoint instead")
+        for tag in manifest.uncommitted_tags(self.ckpt_dir):
+            log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed (no manifest)")
+        tags = [t for t in manifest.committed_tags(self.ckpt_dir) if newest_step is None or int(t[4:]) <= newest_step]
+        damaged = []
+        for tag in tags:
+            tag_dir = os.path.join(self.ckpt_dir, tag)
+            problems = manifest.verify(tag_dir)
+            if not problems:
+                path, client = self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
+                if path is None:
+                    problems = [f"DeepSpeed could not load {tag_dir}"]
+                elif not self.weights_finite():
+                    problems = [f"{tag_dir} holds non-finite weights"]
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                log0(f"checkpoint {tag} is damaged: {problems[0]}{more}; falling back to an older one")
+                damaged.append(tag)
+                continue
+            self.restore_client(client, tag_dir)
+            if damaged:
+                log0(f"resumed from the intact checkpoint {tag} (step {self.step}) instead of "
+                     f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
+                self.set_aside(damaged)
+            else:
+                log0(f"resumed from {tag_dir} at step {self.step} (verified)")
+            return
+        listed = ", ".join(tags) or "none"
+        raise SystemExit(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
+                         "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
+
+    def resume_unverified(self, tag: str | None) -> None:
+        """A checkpoint without a manifest: an older version's, or a universal one (reshard)."""
+        self.check_compatible()
+        path, client = self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
         if path is None:
-            raise RuntimeError(f"{self.ckpt_dir}: 'latest' names a checkpoint that cannot be loaded")
+            raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint {tag or 'latest_universal'} cannot be "
+                             "loaded; train afresh in another run_dir")
+        if not self.weights_finite():
+            raise SystemExit(f"error: {path} holds non-finite weights; it cannot be resumed")
+        self.restore_client(client, path)
+        log0(f"resumed from {path} at step {self.step} (written without a manifest: not verified)")
+
+    def restore_client(self, client: dict, path: str) -> None:
         self.step = client["step"]
         self.stream.load_state_dict(client["data"])
-        if not rng.load(os.path.dirname(path), torch.distributed.get_rank()):
-            print(f"rank {torch.distributed.get_rank()}: {os.path.dirname(path)} holds no RNG state for this "
-                  "rank (another layout wrote it); dropout masks start afresh", flush=True)
+        self.guard.load_state_dict(client.get("guard"))
+        tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
+        rank = torch.distributed.get_rank()
+        if not rng.load(tag_dir, rank):  # only unverified checkpoints get here without one
+            print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout "
+                  "or an older version): this rank's dropout masks start afresh", flush=True)
         self.history = client["history"]
-        log0(f"resumed from {path} at step {self.step}")
+
+    def weights_finite(self) -> bool:
+        """All ranks agree whether every loaded parameter is finite."""
+        from deepspeed.accelerator import get_accelerator
+
+        bad = any(not bool(torch.isfinite(p).all()) for p in self.module.parameters())
+        flag = torch.tensor([int(bad)], dtype=torch.int32, device=get_accelerator().current_device_name())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return not bool(flag.item())
+
+    def set_aside(self, tags: list[str]) -> None:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            aside = os.path.join(self.ckpt_dir, "damaged")
+            os.makedirs(aside, exist_ok=True)
+            for tag in tags:
+                shutil.rmtree(os.path.join(aside, tag), ignore_errors=True)
+                os.replace(os.path.join(self.ckpt_dir, tag), os.path.join(aside, tag))
+            good = manifest.newest_committed(self.ckpt_dir)
+            if good:
+                manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), good)
+        torch.distributed.barrier()
 
     def check_compatible(self) -> None:
         """Refuse, with the differing keys named, to resume a run whose model or layout changed."""
@@ -154,20 +246,29 @@ class Trainer:
                              f"({'; '.join(diffs)}). Use a new run_dir, or convert the checkpoint.")
 
     def save(self) -> str:
+        """Every rank writes its files, then the manifest commits them (parallel/manifest.py): only
+        then does `latest` name this checkpoint. A folder of the same tag left by an earlier,
+        interrupted or damaged save is removed first."""
         tag = f"step{self.step}"
+        tag_dir = os.path.join(self.ckpt_dir, tag)
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
-                  "config": to_dict(self.cfg)}
-        rng.save(os.path.join(self.ckpt_dir, tag), torch.distributed.get_rank())
-        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client)
+                  "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
         torch.distributed.barrier()
+        rng.save(tag_dir, torch.distributed.get_rank())
+        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client, save_latest=False)
+        manifest.commit(self.ckpt_dir, tag, self.step)
         if torch.distributed.get_rank() == 0:
             with open(os.path.join(self.cfg.run_dir, "config.json"), "w") as f:
                 json.dump(to_dict(self.cfg), f, indent=2)
-            tags = sorted((d for d in os.listdir(self.ckpt_dir) if d.startswith("step")),
-                          key=lambda d: int(d[4:]))
-            for old in tags[:-self.cfg.train.keep_checkpoints]:
+            tags = manifest.committed_tags(self.ckpt_dir)  # newest first
+            for old in tags[self.cfg.train.keep_checkpoints:]:
                 shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
-        return os.path.join(self.ckpt_dir, tag)
+            for old in manifest.uncommitted_tags(self.ckpt_dir):
+                if int(old[4:]) < self.step:
+                    shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
+        return tag_dir
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -187,7 +288,7 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return {"loss": float(loss), "lr": self.engine.get_lr()[0],
                 "grad_norm": float(norm) if norm is not None else float("nan"),
-                "tokens": total, "seconds": elapsed}
+                "tokens": total, "seconds": elapsed, "divergence": self.guard.after_step(self.step)}
 
     def validate(self) -> float:
         """Token-weighted label-smoothed loss over the whole dev split (replicas share the work)."""
@@ -217,9 +318,9 @@ class Trainer:
         window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
         while self.step < self.max_steps:
             out = self.train_step()
-            if not math.isfinite(out["loss"]):
-                raise FloatingPointError(f"step {self.step}: loss is {out['loss']}; lower train.lr, "
-                                         "raise train.warmup_steps or set train.clip_norm")
+            if out["divergence"] and self.on_divergence(out["divergence"]):
+                window_tokens, window_time = 0, 0.0
+                continue  # rolled back: the step counter is the checkpoint's again
             window_tokens += out["tokens"]
             window_time += out["seconds"]
             if self.step % cfg.log_interval == 0 or self.step == self.max_steps:
@@ -245,16 +346,59 @@ class Trainer:
         wall = time.perf_counter() - t0
         return self.summary(wall)
 
+    # ---- divergence (launcher/guard.py) -------------------------------------------------------
+    def on_divergence(self, event: dict) -> bool:
+        """Apply train.divergence_policy to a step whose update was not applied; True after a
+        rollback. Every rank gets here for the same step with the same event."""
+        policy = self.cfg.train.divergence_policy
+        count = len(self.guard.events)
+        norm = event["grad_norm"]
+        norm = norm if isinstance(norm, str) or norm is None else format(norm, ".4g")
+        what = f"step {self.step}: {event['reason']} (grad norm {norm}); the update was not applied"
+        self.engine.monitor.write_events([("train/divergence_events", count, self.step)])
+        if policy == "stop":
+            raise DivergenceStop(f"{what} and nothing was saved. train.divergence_policy=stop: lower train.lr, "
+                                 "raise train.warmup_steps or set train.clip_norm, or choose the skip or "
+                                 "rollback policy; rerunning resumes from the last checkpoint")
+        if count > self.cfg.train.divergence_max_events:
+            raise DivergenceStop(f"{what}: divergence event {count} of this run exceeds "
+                                 f"train.divergence_max_events={self.cfg.train.divergence_max_events}; stopping")
+        if policy == "skip":
+            log0(f"{what}: batch skipped, weights unchanged (event {count})")
+            return False
+        self.rollback(event)
+        return True
+
+    def rollback(self, event: dict) -> None:
+        """Reload the newest intact checkpoint before this step and skip the data consumed since
+        (the batches of the steps after the checkpoint up to this one)."""
+        bad_step, data_after = self.step, self.stream.state_dict()
+        events = list(self.guard.events)
+        if not manifest.committed_tags(self.ckpt_dir):
+            raise DivergenceStop(f"step {bad_step}: {event['reason']}; train.divergence_policy=rollback but no "
+                                 "checkpoint has been saved yet to roll back to")
+        self.resume(newest_step=bad_step - 1)
+        self.stream.load_state_dict(data_after)
+        event["rolled_back_to"] = self.step
+        self.guard.events = events
+        set_training_step(self.step_blocks, self.step)
+        if torch.distributed.get_rank() == 0:
+            metrics.rewind(self.engine, self.step)
+        log0(f"step {bad_step}: {event['reason']}; rolled back to step {self.step} and skipped the data of "
+             f"steps {self.step + 1}..{bad_step} (event {len(events)})")
+
     def stop_preempted(self, already_saved: bool) -> None:
         """Checkpoint the current step on every rank, leave the marker, exit for a requeue."""
         path = os.path.join(self.ckpt_dir, f"step{self.step}") if already_saved else self.save()
+        name = procs.stop.signal_name or PREEMPT_SIGNAL.name
         if torch.distributed.get_rank() == 0:
             with open(os.path.join(self.cfg.run_dir, PREEMPTED_MARKER), "w") as f:
-                json.dump({"step": self.step, "checkpoint": path, "signal": PREEMPT_SIGNAL.name,
+                json.dump({"step": self.step, "checkpoint": path, "signal": name,
                            "time": time.time()}, f, indent=2)
-        log0(f"step {self.step} | preempted by {PREEMPT_SIGNAL.name}: saved checkpoint {path}; "
+        log0(f"step {self.step} | preempted by {name}: saved checkpoint {path}; "
              f"exiting with code {PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
         torch.distributed.barrier()
+        procs.stop.saved = True
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def summary(self, wall: float) -> dict:
@@ -267,6 +411,8 @@ class Trainer:
             "mean_target_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "wall_seconds_this_launch": wall,
             "checkpoint": os.path.join(self.ckpt_dir, f"step{self.step}"),
+            "divergence_events": len(self.guard.events),
+            "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.cfg.parallel.pipeline_stages,
                        "tensor_parallel": self.cfg.parallel.tensor_parallel, "data_parallel": self.dp},
         }
@@ -278,7 +424,21 @@ class Trainer:
                   f"{summary['last_valid_loss']:.4f} | target tokens/s "
                   f"{summary['mean_target_tokens_per_s'] or 0:.0f} | {wall:.0f} s this launch")
             print(f"checkpoint: {summary['checkpoint']}", flush=True)
+            if self.guard.events:
+                print(f"divergence events: {len(self.guard.events)} (policy {self.cfg.train.divergence_policy}; "
+                      "listed in summary.json)", flush=True)
         return summary
+
+
+_run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)
+
+
+def _comm_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset",
+                                                                   "Timed out", "timed out", "NCCL", "gloo"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,9 +447,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--run-dir", help="override run_dir of the config")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     install_preemption_handler()  # before the slow start-up (DeepSpeed imports, engine build)
+    procs.watch_owner()
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
-    Trainer(cfg).run()
+    rank = os.environ.get("RANK", "0")
+    try:
+        cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+        validate_fault_tolerance(cfg, args.config)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
+        from launcher.runlock import RunDirBusy, RunLock
+
+        global _run_lock
+        try:  # held until this process ends (a lock object that is collected releases it)
+            _run_lock = RunLock(cfg.run_dir).acquire()
+        except RunDirBusy as e:
+            sys.exit(f"error: {e}")
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+    except DivergenceStop as e:
+        if rank == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(DIVERGED_EXIT_CODE)
+    except Exception as e:
+        if not _comm_failure(e):
+            raise
+        step = f" at step {trainer.step}" if trainer is not None else ""
+        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
+        print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "
+              "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
+              file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown of a broken process group
 
 
 if __name__ == "__main__":

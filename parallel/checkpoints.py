@@ -62,13 +62,16 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
         return os.path.dirname(os.path.dirname(path)), path, os.path.basename(path)
     ckpt_dir = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
     if tag is None:
-        for latest in ("latest", UNIVERSAL_LATEST):
-            if os.path.exists(os.path.join(ckpt_dir, latest)):
-                with open(os.path.join(ckpt_dir, latest)) as f:
-                    tag = f.read().strip()
-                break
-        else:
-            raise CheckpointError(f"{path}: no checkpoint found ({ckpt_dir}/latest is missing); "
+        # The newest checkpoint with a manifest (parallel/manifest.py) wins over what `latest` says;
+        # without any, `latest` (an older version's checkpoint) or a universal checkpoint.
+        from parallel.manifest import newest_committed, read_latest
+
+        tag = newest_committed(ckpt_dir) or read_latest(ckpt_dir)[0]
+        if tag is None and os.path.exists(os.path.join(ckpt_dir, UNIVERSAL_LATEST)):
+            with open(os.path.join(ckpt_dir, UNIVERSAL_LATEST), errors="replace") as f:
+                tag = f.read().strip()
+        if tag is None:
+            raise CheckpointError(f"{path}: no checkpoint found in {ckpt_dir}; "
                                   "train first or pass a checkpoint folder")
     tag_dir = os.path.join(ckpt_dir, tag)
     if not os.path.exists(os.path.join(tag_dir, "mp_rank_00_model_states.pt")):

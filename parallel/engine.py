@@ -52,14 +52,17 @@ def slurm_rank_env(environ: dict | None = None) -> dict[str, str]:
     return out
 
 
-def setup_distributed() -> None:
+def setup_distributed(timeout_seconds: float | None = None) -> None:
     """Initialise torch.distributed through DeepSpeed on the accelerator's own backend.
 
     Without a launcher (plain `python`), a world of one process is assumed. On CPU, DeepSpeed
     would JIT-compile a shared-memory all-reduce op (60–90 s, needs g++/ninja) that only its
     inference path uses; marking no op as compatible skips the build. `__compatible_ops__` is
-    read only by that one check in deepspeed.comm.torch (0.19.8).
+    read only by that one check in deepspeed.comm.torch (0.19.8). `timeout_seconds`: how long a
+    collective may wait for the other ranks before it fails (train.collective_timeout_seconds).
     """
+    import datetime
+
     import deepspeed
     import deepspeed.comm as dist
     import deepspeed.ops
@@ -79,8 +82,9 @@ def setup_distributed() -> None:
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    timeout = {} if timeout_seconds is None else {"timeout": datetime.timedelta(seconds=timeout_seconds)}
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                               auto_mpi_discovery=False, verbose=False)
+                               auto_mpi_discovery=False, verbose=False, **timeout)
 
 
 def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:

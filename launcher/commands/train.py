@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 from launcher.preflight import check_device, check_resume, check_run_dir
+from launcher.procs import PREEMPTED_EXIT_CODE, die_with_parent_shell, supervise
+from launcher.runlock import RunDirBusy, RunLock
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
-
-PREEMPTED_EXIT_CODE = 75  # launcher/train.py exits with it after a preemption checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,13 +31,30 @@ def gpu_count() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data.prepare import check_corpus, prepare_data
+    from data.prepare import check_corpus
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     check_run_dir(cfg, args.config)
     check_resume(cfg, args.config)
     check_device(cfg, args.config)
     check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
+    try:  # held until this process ends; the ranks die with it (launcher/procs.py)
+        lock = RunLock(cfg.run_dir).acquire()
+    except RunDirBusy as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"{cfg.run_dir}: cannot create the run directory's lock ({e.strerror}); "
+                          "choose a writable run_dir") from None
+    die_with_parent_shell()
+    try:
+        return _train(args, cfg)
+    finally:
+        lock.release()
+
+
+def _train(args: argparse.Namespace, cfg) -> int:
+    from data.prepare import prepare_data
+
     p, world = cfg.parallel, cfg.world_size
     layout = (f"pipeline_stages={p.pipeline_stages} × tensor_parallel={p.tensor_parallel} × "
               f"data_parallel={p.data_parallel}")
@@ -63,9 +79,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"launching {world} ranks ({layout}) on {where}", flush=True)
     if not gpus and world > cores:
         print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
-    rc = subprocess.call(cmd, env=env, cwd=ROOT)
+    env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
+    rc = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds)
     if rc == PREEMPTED_EXIT_CODE:
-        print("training was preempted after saving a checkpoint; run the same command to resume", flush=True)
+        print("training was stopped after saving a checkpoint; run the same command to resume", flush=True)
+    elif rc in (129, 130, 143):
+        print("training was stopped; run the same command to resume from the last checkpoint", flush=True)
     if rc == 0 and args.eval_sentences > 0:
         from launcher.commands.eval import evaluate_after_training
 

@@ -1,0 +1,317 @@
+"""Process ownership: the ranks of a run live exactly as long as the `./run.sh train` that started them.
+
+Two halves.
+
+The supervisor (`supervise`, in the `./run.sh train` process) starts the deepspeed launcher in a
+session and process group of its own, so the terminal's Ctrl-C/hang-up reaches only the supervisor,
+which decides what the ranks get, and one `killpg` reaches every process of the run however the
+launcher and the ranks are nested or reparented. The deepspeed launcher does not do this itself:
+its runner (`deepspeed`, runner.py) installs no signal handler on one node, so a SIGTERM to it
+leaves `deepspeed.launcher.launch` and the ranks running; launch.py forwards SIGINT/SIGTERM to
+its children, then SIGKILLs them 30 s later, and ends the rest when one rank exits non-zero.
+
+  SIGTERM (kill, scancel, SLURM's time limit)   → SIGTERM to every rank: each finishes its step, the
+      ranks checkpoint together and exit with PREEMPTED_EXIT_CODE (as with SIGUSR1). Ranks that are
+      not gone `train.stop_grace_seconds` later (+5 s) are killed; the last committed checkpoint
+      stays valid (parallel/manifest.py).
+  SIGINT (Ctrl-C), SIGHUP (terminal closed)      → the same signal to every rank: they stop at once
+      without a checkpoint; killed 5 s later if still there.
+  a second signal of any kind                    → SIGKILL to the whole group.
+  the supervisor itself dies (kill -9)           → every rank watches it (`watch_owner`) and exits.
+  its parent shell dies                          → it gets SIGHUP (PR_SET_PDEATHSIG), unless SIGHUP
+      was ignored when it started (`nohup ./run.sh train &` keeps running).
+  a rank dies                                    → the supervisor names it and ends the others.
+
+The rank half (`install_rank_handlers`, `watch_owner`) runs in every training process; under SLURM
+(no supervisor; srun signals every task itself) only the signal handlers apply.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: checkpointed on request, to be resumed
+OWNER_ENV = "DEEPNET_OWNER_PID"
+PR_SET_PDEATHSIG = 1
+KILL_AFTER = 5.0  # seconds a rank gets to leave after an immediate stop before it is killed
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent ends (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+# ---- the supervisor ---------------------------------------------------------------------------
+
+class Supervisor:
+    def __init__(self, cmd: list[str], env: dict, cwd: str, grace_seconds: float,
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+        self.cmd, self.env, self.cwd, self.grace, self.log = cmd, env, cwd, grace_seconds, log
+        self.proc: subprocess.Popen | None = None
+        self.deadline: float | None = None
+        self.signals: list[int] = []
+        self.ranks: dict[int, int] = {}  # pid → global rank
+        self.signalled: set[int] = set()
+        self.dead_rank: tuple[int, int] | None = None
+        self.vanished: dict[int, int] = {}  # pid → rank, ended and already reaped by the launcher
+
+    # signals arrive in the main thread between polls; the handler only records and forwards
+    def _on_signal(self, signum, frame) -> None:
+        self.signals.append(signum)
+        if len(self.signals) > 1:
+            self.log(f"{signal.Signals(signum).name} again: killing every rank now")
+            self._killpg(signal.SIGKILL)
+            self.deadline = time.monotonic()
+            return
+        if signum == signal.SIGTERM:
+            self.log(f"SIGTERM: the ranks finish their step, checkpoint and exit "
+                     f"(killed if not gone in {self.grace:.0f} s)")
+            self.deadline = time.monotonic() + self.grace + KILL_AFTER
+        else:
+            self.log(f"{signal.Signals(signum).name}: stopping every rank now (the last checkpoint is kept)")
+            self.deadline = time.monotonic() + KILL_AFTER
+        self._signal_ranks(signum)
+
+    def _find_ranks(self) -> None:
+        import psutil
+
+        try:
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                if child.pid not in self.ranks:
+                    try:
+                        rank = child.environ().get("RANK")
+                    except (psutil.Error, OSError):
+                        continue
+                    if rank is not None:
+                        self.ranks[child.pid] = int(rank)
+        except psutil.Error:
+            pass
+
+    def _signal_ranks(self, signum: int) -> None:
+        self._find_ranks()
+        for pid in list(self.ranks):
+            self.signalled.add(pid)
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def _signal_late_ranks(self) -> None:
+        """Ranks the launcher started after the signal came get it too."""
+        if self.signals and len(self.signals) == 1:
+            for pid in set(self.ranks) - self.signalled:
+                self.signalled.add(pid)
+                try:
+                    os.kill(pid, self.signals[0])
+                except ProcessLookupError:
+                    pass
+
+    def _killpg(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        # Zombies count for killpg: a group of only zombies (reaped by init later) is gone.
+        import psutil
+
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == self.proc.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    return True
+            except (ProcessLookupError, psutil.Error, OSError):
+                continue
+        return False
+
+    def _check_ranks(self) -> None:
+        """Name the first rank that dies while the run is neither stopping nor done. A rank that
+        ended stays a zombie until the deepspeed launcher reaps it (it polls once a second); its
+        exit status is in /proc/PID/stat meanwhile."""
+        if self.dead_rank or self.signals:
+            return
+        for pid, rank in list(self.ranks.items()):  # a signal handler may add ranks meanwhile
+            status = _exit_status(pid)
+            if status is None:
+                continue
+            if status == "gone":
+                self.vanished.setdefault(pid, rank)
+                continue
+            code = status >> 8 if status & 0x7F == 0 else -(status & 0x7F)
+            if code in (0, PREEMPTED_EXIT_CODE):
+                continue
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            self.dead_rank = (rank, pid)
+            self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks")
+            self._signal_ranks(signal.SIGINT)
+            self.deadline = time.monotonic() + KILL_AFTER
+            return
+
+    def run(self) -> int:
+        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        previous = {s: signal.getsignal(s) for s in handled}
+        env = dict(self.env, **{OWNER_ENV: str(os.getpid())})
+        self.proc = subprocess.Popen(self.cmd, env=env, cwd=self.cwd, start_new_session=True)
+        try:
+            for s in handled:
+                if not (s == signal.SIGHUP and hup_ignored):
+                    signal.signal(s, self._on_signal)
+            next_scan = next_check = 0.0
+            while self.proc.poll() is None:
+                now = time.monotonic()
+                if now >= next_scan:  # the process tree: often until ranks appear, then rarely
+                    self._find_ranks()
+                    self._signal_late_ranks()
+                    next_scan = now + (2.0 if self.ranks else 0.1)
+                if now >= next_check:  # one /proc read per rank
+                    self._check_ranks()
+                    next_check = now + 0.1
+                if self.deadline is not None and now >= self.deadline:
+                    self.log("processes of the run still there past the deadline: killing them")
+                    self._killpg(signal.SIGKILL)
+                    self.deadline = None
+                try:
+                    self.proc.wait(timeout=0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+            rc = self.proc.returncode
+        finally:
+            # Whatever ended the launcher, nothing of the run outlives this function.
+            if self.proc.poll() is None:
+                self._killpg(signal.SIGKILL)
+                self.proc.wait()
+            self._reap_group()
+            for s, h in previous.items():
+                signal.signal(s, h)
+        if rc not in (0, PREEMPTED_EXIT_CODE) and not self.dead_rank and not self.signals and self.vanished:
+            first = next(iter(self.vanished.items()))  # in the order they were seen gone
+            self.log(f"rank {first[1]} (PID {first[0]}) ended first; the deepspeed launcher stopped the others")
+        if self.signals and rc != PREEMPTED_EXIT_CODE:
+            rc = 128 + self.signals[0]
+        return rc
+
+    def _reap_group(self) -> None:
+        end = time.monotonic() + KILL_AFTER
+        while self._group_alive():
+            if time.monotonic() >= end:
+                self._killpg(signal.SIGKILL)
+                end = time.monotonic() + 60
+            time.sleep(0.05)
+
+
+def _exit_status(pid: int):
+    """None while `pid` runs; its wait status while it is a zombie; "gone" once reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone"
+    if fields[0] != "Z":
+        return None
+    return int(fields[49]) if len(fields) > 49 else "gone"  # field 52: exit_code (Linux >= 3.5)
+
+
+def die_with_parent_shell() -> None:
+    """SIGHUP to this process when its parent (the shell that ran ./run.sh) ends, unless SIGHUP is
+    ignored (nohup): a shell killed outright sends its jobs nothing."""
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        _prctl_pdeathsig(signal.SIGHUP)
+
+
+def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float) -> int:
+    return Supervisor(cmd, env, cwd, grace_seconds).run()
+
+
+# ---- the ranks --------------------------------------------------------------------------------
+
+class StopRequest:
+    """What signals asked of this rank; read by the training loop at step boundaries."""
+
+    def __init__(self):
+        self.checkpoint = False  # SIGUSR1 / first SIGTERM: finish the step, checkpoint, exit 75
+        self.signal_name = ""
+        self.saved = False  # the stop checkpoint is committed: later signals just end the rank
+
+
+stop = StopRequest()
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _exit_now(code: int, why: str) -> None:
+    print(f"rank {_rank()}: {why}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def install_rank_handlers(grace_seconds: float) -> None:
+    """SIGUSR1 and SIGTERM ask for a checkpoint and exit at the next step boundary (the ranks agree
+    on it by an all-reduce); after SIGTERM the rank exits anyway `grace_seconds` later, without a
+    checkpoint (SLURM's KillWait is 30 s by default). A second SIGTERM, SIGINT and SIGHUP end the
+    rank at once; checkpoints are committed atomically, so none is left half-valid."""
+
+    def on_checkpoint_signal(signum, frame):
+        name = signal.Signals(signum).name
+        if stop.saved:  # the launcher ending the ranks after the checkpoint: nothing left to do
+            os._exit(PREEMPTED_EXIT_CODE)
+        if stop.checkpoint and signum == signal.SIGTERM and stop.signal_name == "SIGTERM":
+            _exit_now(143, "SIGTERM again: exiting without a checkpoint")
+        first = not stop.checkpoint
+        stop.checkpoint, stop.signal_name = True, name
+        if first and signum == signal.SIGTERM and grace_seconds > 0:
+            timer = threading.Timer(grace_seconds, _exit_now,
+                                    (143, f"no checkpoint within {grace_seconds:.0f} s of SIGTERM "
+                                          "(train.stop_grace_seconds); exiting without one"))
+            timer.daemon = True
+            timer.start()
+
+    signal.signal(signal.SIGUSR1, on_checkpoint_signal)
+    signal.signal(signal.SIGTERM, on_checkpoint_signal)
+    # The kernel's default action ends the process at once, also while it waits inside a
+    # collective (a Python handler would run only once the call returns); the supervisor says why.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def watch_owner() -> None:
+    """Exit when the supervising ./run.sh train (DEEPNET_OWNER_PID) ends, and when this rank's
+    parent (the deepspeed launcher) ends (PR_SET_PDEATHSIG)."""
+    _prctl_pdeathsig(signal.SIGKILL)
+    owner = os.environ.get(OWNER_ENV)
+    if not owner:
+        return
+    pid = int(owner)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _exit_now(1, f"the ./run.sh train that started this rank (PID {pid}) is gone; exiting")
+    except (OSError, AttributeError):
+        fd = None
+
+    def wait_for_owner():
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:  # no pidfd (old kernel): poll
+            while os.path.exists(f"/proc/{pid}"):
+                time.sleep(1.0)
+        _exit_now(1, f"the ./run.sh train that started this rank (PID {pid}) is gone; exiting")
+
+    threading.Thread(target=wait_for_owner, name="owner-watch", daemon=True).start()

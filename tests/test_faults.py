@@ -1,0 +1,290 @@
+"""Faults a weeks-long run meets, on the real launcher and trainer (2 CPU ranks, pp=2).
+
+Two groups, each in as few launches as possible:
+- `./run.sh train` itself (three launches of the CLI on one run directory): SIGTERM to it
+  checkpoints and leaves no process, within seconds; a second trainer on the same run directory is
+  refused with the holder's host and PID; `kill -9` of every process in the middle of a save, then
+  a rerun resumes from the last committed checkpoint with the losses the killed run computed; the
+  metrics CSVs then hold every step once under one header.
+- one launch of tests/dist/fault_worker.py: every kind of checkpoint damage falls back to the
+  newest intact checkpoint and continues with the uninterrupted run's losses; the divergence
+  guard under each policy.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, launch, write_run_config
+
+
+# ---- checkpoint damage and divergence (one launch) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def worker(tiny_data, tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    config = write_run_config(str(work / "pp2.yaml"), str(work / "run"), tiny_data,
+                              model={"dropout": 0.1},
+                              train={"micro_batches": 2, "save_interval": 1000, "keep_checkpoints": 5,
+                                     "lr": 0.002, "clip_norm": 1.0})
+    out = str(work / "result.json")
+    proc = launch(2, "tests/dist/fault_worker.py", ["--config", config, "--out", out])
+    (work / "log.txt").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, "fault worker failed (its output is above)"
+    with open(out) as f:
+        return {"result": json.load(f), "log": proc.stdout + proc.stderr, "work": work}
+
+
+@pytest.mark.parametrize("case, resumed, expect", [
+    ("nonfinite_weights", 4, r"checkpoint step5 is damaged: .*step5 holds non-finite weights"),
+    ("latest_garbage", 4, r"checkpoints/latest holds b'\\x00\\xffst\\x00ep', not a checkpoint name"),
+    ("latest_missing_step", 4, r"checkpoints/latest names 'step9', which does not exist"),
+    ("deleted_mp_rank_01", 2, r"checkpoint step4 is damaged: .*step4/mp_rank_01_model_states\.pt is missing"),
+    ("truncated_zero_file", 2, r"step4/zero_pp_rank_0_mp_rank_01_optim_states\.pt has \d+ bytes, the manifest "
+                               r"says \d+ \(truncated\)"),
+    ("random_bytes_in_layer", 2, r"step4/layer_02-model_00-model_states\.pt has changed since it was written"),
+    ("deleted_rng_rank1", 2, r"step4/rng_rank00001\.pt is missing"),
+])
+def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(worker, case, resumed, expect):
+    r = worker["result"]["damage"]
+    got = r["cases"][case]
+    assert got["resumed"] == resumed
+    # continuing from there computes exactly what the uninterrupted run computed
+    assert got["losses"] == pytest.approx(r["uninterrupted"][resumed:resumed + 2], rel=1e-6)
+    assert re.search(expect, worker["log"]), f"no message matching {expect!r}"
+    assert "Traceback" not in worker["log"]
+
+
+def test_no_intact_checkpoint_stops_with_a_message(worker):
+    message = worker["result"]["damage"]["cases"]["none_intact"]["message"]
+    assert message and message.startswith("error: no intact checkpoint in ") and "step4, step2" in message
+
+
+def test_divergence_stop_applies_nothing_and_saves_nothing(worker):
+    r = worker["result"]["divergence"]["stop"]
+    assert r["stopped"].startswith("step 3: loss is nan") and "train.divergence_policy=stop" in r["stopped"]
+    assert r["unchanged_by_bad_step"]  # the NaN step's update was never applied
+    assert r["latest"] == "step2" and r["tags"] == ["step2"]
+    assert len(r["events"]) == 1
+
+
+def test_divergence_skip_drops_the_spike_and_keeps_training(worker):
+    r = worker["result"]["divergence"]["skip"]
+    assert r["stopped"] is None and r["step"] == 5
+    assert [e["step"] for e in r["events"]] == [4] and "median" in r["events"][0]["reason"]
+    assert r["unchanged_by_bad_step"]
+    rows = r["loss_csv"]
+    assert rows[0] == ["step", "loss"] and [int(x[0]) for x in rows[1:]] == [1, 2, 3, 4, 5]
+    assert all(float(x[1]) < 20 for i, x in enumerate(rows[1:]) if i != 3)
+
+
+def test_divergence_rollback_reloads_and_skips_the_window(worker):
+    d = worker["result"]["divergence"]
+    r = d["rollback"]
+    assert r["stopped"] is None and r["step"] == 5
+    assert len(r["events"]) == 1 and r["events"][0]["rolled_back_to"] == 2 and r["events"][0]["step"] == 4
+    assert "rolled back to step 2 and skipped the data of steps 3..4" in worker["log"]
+    rows = r["loss_csv"]
+    assert rows[0] == ["step", "loss"] and [int(x[0]) for x in rows[1:]] == [1, 2, 3, 4, 5]  # each step once
+    # steps 3..5 after the rollback = a fresh resume of step2 that skips the two batches of steps 3..4
+    assert [float(x[1]) for x in rows[3:]] == pytest.approx(d["rollback_reference"], rel=1e-6)
+
+
+# ---- ./run.sh train: signals, the run lock, kill -9 mid-save (three launches) -----------------
+
+class Run:
+    """`./run.sh train CONFIG` (the CLI behind it) in the background, its output collected."""
+
+    started: list[Run] = []
+
+    def __init__(self, config: str):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", config, "--eval-sentences", "0"],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        Run.started.append(self)
+
+    @classmethod
+    def kill_all(cls) -> None:
+        """What a failed test left running (the test itself asserts that nothing is)."""
+        for run in cls.started:
+            try:
+                procs = [psutil.Process(run.proc.pid), *run.tree()]
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        cls.started.clear()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}:\n{''.join(self.lines)[-4000:]}")
+
+    def tree(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _losses(text: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+) \| loss ([\d.]+)", text)}
+
+
+def _gone(procs: list[psutil.Process], timeout: float) -> float:
+    start = time.monotonic()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    assert not alive, f"still running: {[p.pid for p in alive]}"
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def runs():
+    yield Run
+    Run.kill_all()
+
+
+def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tiny_data, tmp_path, runs):
+    run_dir = str(tmp_path / "run")
+
+    def config(name: str, max_steps: int) -> str:  # the same model and layout; only the length differs
+        return write_run_config(str(tmp_path / f"{name}.yaml"), run_dir, tiny_data, model={"dropout": 0.1},
+                                train={"micro_batches": 2, "save_interval": 2, "max_steps": max_steps,
+                                       "valid_interval": 1000})
+
+    ckpt = os.path.join(run_dir, "checkpoints")
+
+    # 1. SIGTERM to ./run.sh train: the step finishes, a checkpoint is committed, nothing is left.
+    first = Run(config("long", 2000))
+    first.wait_for(r"step 3 \| loss")
+    tree = first.tree()
+    assert len([p for p in tree if "--local_rank=" in " ".join(p.cmdline())]) == 2
+
+    # ... meanwhile a second trainer on the same run directory is refused, naming the first
+    second = subprocess.run([sys.executable, "-m", "launcher.cli", "train", config("long", 2000),
+                             "--eval-sentences", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2
+    assert re.fullmatch(rf"error: {re.escape(run_dir)} is in use by another trainer \(host \S+, PID "
+                        rf"{first.proc.pid}, since [\d\- :]+\); stop it first, or train into another run_dir\n",
+                        second.stderr), second.stderr
+
+    sent = time.monotonic()
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 75, first.text()[-3000:]
+    _gone(tree, timeout=10)
+    elapsed = time.monotonic() - sent
+    assert elapsed < 30, f"{elapsed:.1f} s from SIGTERM to every rank gone"
+    stopped_at = int(first.wait_for(r"step (\d+) \| preempted by SIGTERM").group(1))
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == f"step{stopped_at}"
+    assert os.path.exists(os.path.join(ckpt, f"step{stopped_at}", "manifest.json"))
+
+    # 2. kill -9 of every process of the run while a checkpoint is being written
+    killed = Run(config("long", 2000))
+    killed.wait_for(rf"resumed from .*step{stopped_at} at step {stopped_at} \(verified\)")
+    mid_save = None
+    end = time.monotonic() + 240
+    while mid_save is None and time.monotonic() < end and killed.proc.poll() is None:
+        for tag in os.listdir(ckpt) if os.path.isdir(ckpt) else []:
+            if (tag.startswith("step") and int(tag[4:]) > stopped_at
+                    and not os.path.exists(os.path.join(ckpt, tag, "manifest.json"))):
+                mid_save = tag
+                break
+        else:
+            time.sleep(0.002)
+    procs = [psutil.Process(killed.proc.pid), *killed.tree()]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _gone(procs, timeout=10)
+    assert mid_save is not None, "no save was seen in progress"
+    killed_losses = _losses(killed.text())
+
+    # 3. the rerun resumes from the newest committed checkpoint; its losses are the killed run's
+    end_step = int(mid_save[4:]) + 2
+    last = Run(config("end", end_step))
+    assert last.proc.wait(timeout=600) == 0, last.text()[-3000:]
+    resumed = int(last.wait_for(r"resumed from .*step(\d+) at step \d+ \(verified\)").group(1))
+    assert resumed < int(mid_save[4:])
+    again = _losses(last.text())
+    overlap = [s for s in killed_losses if s in again]
+    assert overlap, "the killed run computed no step that the rerun recomputed"
+    assert [again[s] for s in overlap] == [killed_losses[s] for s in overlap]
+    with open(os.path.join(run_dir, "metrics", "train", "train_loss.csv"), newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, end_step + 1))
+    assert not [p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])]
+
+
+# ---- the pieces, in one process ------------------------------------------------------------------
+
+def test_lock_of_a_killed_trainer_is_refused_then_taken_over(tmp_path):
+    from launcher.runlock import RunDirBusy, RunLock
+
+    run_dir = str(tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+                               "from launcher.runlock import RunLock; lock = RunLock(sys.argv[2]).acquire();"
+                               "print('held', flush=True); time.sleep(600)", ROOT, run_dir],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RunDirBusy, match=rf"is in use by another trainer \(host \S+, PID {holder.pid}, since "):
+            RunLock(run_dir).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(run_dir).acquire()  # the dead holder's lock is simply taken
+    with open(os.path.join(run_dir, ".trainer.lock.json")) as f:
+        assert json.load(f)["pid"] == os.getpid()
+    lock.release()
+
+
+def test_manifest_names_every_kind_of_damage(tmp_path):
+    from parallel import manifest
+
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step3").mkdir(parents=True)
+    for name, size in (("a.pt", 5000), ("b.pt", 300), ("c.pt", 70)):
+        (ckpt / "step3" / name).write_bytes(os.urandom(size))
+    manifest.commit(str(ckpt), "step3", 3)
+    assert (ckpt / "latest").read_text() == "step3" and manifest.committed_tags(str(ckpt)) == ["step3"]
+    assert manifest.verify(str(ckpt / "step3")) == []
+    with open(ckpt / "step3" / "a.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"\0" * 8 if f.read(8) != b"\0" * 8 else b"\1" * 8)
+    (ckpt / "step3" / "b.pt").write_bytes((ckpt / "step3" / "b.pt").read_bytes()[:10])
+    (ckpt / "step3" / "c.pt").unlink()
+    problems = manifest.verify(str(ckpt / "step3"))
+    assert [p.split("/")[-1] for p in problems] == [
+        "a.pt has changed since it was written (SHA-256 differs from the manifest)",
+        "b.pt has 10 bytes, the manifest says 300 (truncated)",
+        "c.pt is missing"]
+    assert manifest._deal({"x": 10, "y": 9, "z": 2}, 2) == [["x"], ["y", "z"]]
