@@ -52,6 +52,14 @@ DEVICES: dict[str, dict] = {
                   "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                   "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
+# Kernel efficiency (fraction of the dense peak that forward + backward reach, before bubble and
+# communication) per GPU type: measured where a GPU of that type ran `./run.sh bench train`
+# (launcher/bench_gpu.py), else the common assumption. (value, where it comes from)
+KERNEL_EFFICIENCY: dict[str, tuple[float, str]] = {
+    "v100-32gb": (0.35, "assumed (no measurement on this GPU type)"),
+    "a100-80gb": (0.35, "assumed (no measurement on this GPU type)"),
+    "h100-80gb": (0.35, "assumed (no measurement on this GPU type)"),
+}
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
 # The paper's models (DESIGN §1). This trainer ties source, target and output embeddings, so its
@@ -68,6 +76,23 @@ NAMED_MODELS: dict[str, dict] = {
     "base-6-6": {"encoder_layers": 6, "decoder_layers": 6, "d_model": 512, "heads": 8, "ffn_dim": 2048},
     "tiny-100-100": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 64, "heads": 2, "ffn_dim": 128},
 }
+
+
+def kernel_efficiency(key: str) -> tuple[float, str]:
+    """The planner's default kernel efficiency for GPU type `key` and the measurement it comes from."""
+    return KERNEL_EFFICIENCY[key]
+
+
+def device_key(gpu_name: str) -> str | None:
+    """The DEVICES key of a GPU as torch names it (e.g. 'NVIDIA H100 80GB HBM3'), None if unknown.
+    PCIe and NVL cards have other peaks than the SXM parts listed; they are not mapped."""
+    name = gpu_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
+    for key, marker in (("h100-80gb", "H100"), ("a100-80gb", "A100"), ("v100-32gb", "V100")):
+        if marker in name:
+            return key
+    return None
 
 
 def named_model(name: str, vocab_size: int = 0) -> ModelConfig:
