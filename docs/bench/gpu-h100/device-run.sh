@@ -21,6 +21,6 @@ for _ in range(10): a @ b
 e.record(); torch.cuda.synchronize()
 print(f"bf16 8192^3 matmul: {10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12:.0f} TFLOP/s (torch {torch.__version__})")
 PY
-timeout 300 ./run.sh test-gpu 2>&1 | tee "$OUT/test-gpu.log"
-timeout 420 ./run.sh bench train 2>&1 | tee "$OUT/bench.log"
+timeout 230 ./run.sh test-gpu 2>&1 | tee "$OUT/test-gpu.log"
+timeout 250 ./run.sh bench train 2>&1 | tee "$OUT/bench.log"
 cp runs/bench-gpu/results.json runs/bench-gpu/report.md "$OUT/" 2>/dev/null
