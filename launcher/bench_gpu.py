@@ -120,6 +120,61 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     }
 
 
+def plain_model_seconds(shape: str, repeats: int = 10) -> dict:
+    """Forward + backward of one micro-batch through the plain bf16 model (model/transformer.py),
+    without DeepSpeed: what the engine adds is the difference to its ForwardPass + BackwardPass."""
+    import torch
+
+    from model.flops import training_flops
+    from model.transformer import EncoderDecoder, smoothed_loss_sum
+    from parallel import accelerator
+
+    cfg = model_config(shape)
+    model = EncoderDecoder(cfg, seed=1).to(device=accelerator.device(), dtype=torch.bfloat16)
+    (src, tgt_in), (tgt_out, scale) = synthetic_batches(cfg.vocab_size, torch.Generator().manual_seed(0))[0]
+    src, tgt_in, tgt_out = (t.to(accelerator.device()) for t in (src, tgt_in, tgt_out))
+    times = []
+    for i in range(repeats + 3):
+        accelerator.synchronize()
+        start = time.perf_counter()
+        loss = smoothed_loss_sum(model(src, tgt_in), tgt_out, cfg.pad_id, cfg.label_smoothing) * scale.item()
+        loss.backward()
+        accelerator.synchronize()
+        times.append(time.perf_counter() - start)
+    seconds = sorted(times[3:])[repeats // 2]
+    flops = SEQUENCES * training_flops(cfg, SRC_LEN, TGT_LEN)
+    return {"seconds": seconds, "tflops_per_s": flops / seconds / 1e12}
+
+
+def profile(shape: str, out: str) -> None:
+    """Two engine steps of `shape` under torch.profiler: the top operators by GPU and CPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from launcher.config import RunConfig
+    from parallel.engine import build_engine, setup_distributed
+
+    setup_distributed()
+    cfg = RunConfig(run_dir=os.path.join(ROOT, "runs", "bench-gpu", shape))
+    cfg.model = model_config(shape)
+    cfg.parallel.precision = "bf16"
+    cfg.train.micro_batches = MICRO_BATCHES
+    engine, _ = build_engine(cfg, cfg.model)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        engine.train_batch(iter(synthetic_batches(cfg.model.vocab_size, generator)))
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(2):
+            engine.train_batch(iter(synthetic_batches(cfg.model.vocab_size, generator)))
+    averages = prof.key_averages()
+    with open(out, "w") as f:
+        f.write(f"{shape}: plain model forward+backward of one micro-batch: {plain_model_seconds(shape)}\n\n")
+        f.write(averages.table(sort_by="self_cuda_time_total", row_limit=30))
+        f.write("\n\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+
+
 def report(results: list[dict], command: str) -> str:
     first = results[0]
     v = first["versions"]
@@ -150,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-gpu"),
                         help="folder for results.json and report.md (runs/bench-gpu)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", metavar="SHAPE", help="profile two steps of SHAPE; tables to OUT/profile-SHAPE.txt")
     args = parser.parse_args(argv)
+    if args.profile:
+        os.makedirs(args.out, exist_ok=True)
+        profile(args.profile, os.path.join(args.out, f"profile-{args.profile}.txt"))
+        return 0
     if args.worker:
         result = measure(args.worker, args.steps, args.warmup)
         with open(os.path.join(args.out, f"{args.worker}.json"), "w") as f:

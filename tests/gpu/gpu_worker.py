@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from parallel import accelerator  # noqa: E402
+from parallel.engine import setup_distributed  # noqa: E402
 from parallel.pipeline import plain_state_dict  # noqa: E402
 from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
 
@@ -133,6 +134,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int)
     args = parser.parse_args()
 
+    setup_distributed()
     cfg = load_config(args.config)
     results = {"versions": accelerator.versions()}
     for precision in args.precisions.split(","):
