@@ -180,7 +180,7 @@ def report(results: list[dict], command: str) -> str:
     v = first["versions"]
     lines = [f"# GPU training benchmark: {first['gpu']}", "",
              f"Command: `{command}`", "",
-             f"Versions: python {v['python']}, torch {v['torch']} (CUDA {v.get('cuda')}), deepspeed "
+             f"Versions: python {v['python']}, torch {v['torch']} (CUDA {v.get('cuda_runtime')}), deepspeed "
              f"{v['deepspeed']}, megatron-core {v['megatron.core']}, driver {v.get('driver')}.", "",
              f"bf16 (BF16_Optimizer, fp32 master weights, ZeRO-1), pp = tp = dp = 1, micro-batches of "
              f"{first['micro_batch']} tokens ({SEQUENCES * TGT_LEN} target tokens), {MICRO_BATCHES} per step, "

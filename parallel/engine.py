@@ -12,6 +12,7 @@ import torch
 
 from launcher.config import RunConfig
 from model.config import ModelConfig
+from parallel.accelerator import HOST
 
 
 def free_port() -> int:
@@ -74,7 +75,7 @@ def setup_distributed() -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
+    if accelerator.device_name() == HOST:
         deepspeed.ops.__compatible_ops__ = {}
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
+from parallel.accelerator import HOST
 
 GIB = 2**30
 
@@ -114,21 +115,21 @@ class Device:
     inter_node_gbs: float
     gpus_per_node: int
     kind: str = "gpu"
-    """'cpu': dropout masks are float tensors (the fused bool-mask kernel is CUDA-only) and no
+    """HOST (the CPU): dropout masks are float tensors (the fused bool-mask kernel is CUDA-only) and no
     memory is reserved for a CUDA context."""
 
     def usable_bytes(self) -> float:
         """Memory a stage may plan for: 90% of the device (allocator fragmentation) minus 1.5 GiB
         for the CUDA context and NCCL's buffers on GPUs."""
-        reserve = 0.0 if self.kind == "cpu" else 1.5 * GIB
+        reserve = 0.0 if self.kind == HOST else 1.5 * GIB
         return 0.9 * self.memory_gib * GIB - reserve
 
 
 def cpu_device(peak_flops_per_rank: float, memory_bytes: float) -> Device:
     """This machine as the planner sees it when checking itself against CPU runs: one rank is
     one 'device' with its share of the cores; gloo over loopback and DRAM are a few GB/s."""
-    return Device(name="cpu", memory_gib=memory_bytes / GIB, peak_tflops={"fp32": peak_flops_per_rank / 1e12},
-                  hbm_gbs=20, intra_gbs=2, inter_node_gbs=2, gpus_per_node=10**6, kind="cpu")
+    return Device(name=HOST, memory_gib=memory_bytes / GIB, peak_tflops={"fp32": peak_flops_per_rank / 1e12},
+                  hbm_gbs=20, intra_gbs=2, inter_node_gbs=2, gpus_per_node=10**6, kind=HOST)
 
 
 def device(key: str, **overrides) -> Device:
@@ -274,10 +275,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
-    if layout.precision in ("fp16", "bf16") and dev.kind == "cpu":
+    if layout.precision in ("fp16", "bf16") and dev.kind == HOST:
         raise ValueError("the planner models fp16/bf16 for GPUs only")
     e = ELEMENT_BYTES[layout.precision]
-    mask = e if dev.kind == "cpu" else 1
+    mask = e if dev.kind == HOST else 1
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
     h_bytes = b * (s + t) * cfg.d_model * e  # one [B, S+T, d] tensor

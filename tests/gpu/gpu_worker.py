@@ -29,6 +29,7 @@ from parallel.pipeline import plain_state_dict  # noqa: E402
 from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
 
 FP16_START_SCALE = 2.0**24
+FP16_STEPS = 20
 
 
 class DeviceSpy:
@@ -99,6 +100,8 @@ def scenario(cfg, precision: str, steps: int, save_at: int, dump: str) -> dict:
     run.run_dir = f"{cfg.run_dir}-{precision}"
     fresh_run_dir(run.run_dir, os.path.join(cfg.run_dir, "data"))
     spy = DeviceSpy()
+    if precision == "fp16":  # long enough for the scaler to back off (hysteresis 2, then halving)
+        steps = FP16_STEPS
     first = Trainer(run, max_steps=steps)
     if precision == "fp16":
         result = {"uninterrupted": record_fp16(first, steps)}
