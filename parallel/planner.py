@@ -53,13 +53,21 @@ DEVICES: dict[str, dict] = {
                   "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                   "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
-# Kernel efficiency (fraction of the dense peak that forward + backward reach, before bubble and
-# communication) per GPU type: measured where a GPU of that type ran `./run.sh bench train`
-# (launcher/bench_gpu.py), else the common assumption. (value, where it comes from)
-KERNEL_EFFICIENCY: dict[str, tuple[float, str]] = {
-    "v100-32gb": (0.35, "assumed (no measurement on this GPU type)"),
-    "a100-80gb": (0.35, "assumed (no measurement on this GPU type)"),
-    "h100-80gb": (0.35, "assumed (no measurement on this GPU type)"),
+# Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
+# and communication (what step_time divides compute by). Per GPU type, measured where a GPU of
+# that type ran `./run.sh bench train` (launcher/bench_gpu.py: bf16, 4,096-target-token
+# micro-batches), one entry per model width measured; a model takes the entry of the nearest
+# width. The H100 figures are small because these shapes are host-bound there: the GPU waited
+# for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/profile-*.txt).
+# Other types keep the common assumption until measured. (d_model, efficiency, source)
+_ASSUMED = [(0, 0.35, "assumed (no measurement on this GPU type)")]
+_H100_BENCH = "docs/bench/gpu-h100/results.json"
+KERNEL_EFFICIENCY: dict[str, list[tuple[int, float, str]]] = {
+    "v100-32gb": _ASSUMED,
+    "a100-80gb": _ASSUMED,
+    "h100-80gb": [(64, 0.00044, f"measured: 100L-100L d=64, {_H100_BENCH}"),
+                  (512, 0.0296, f"measured: 18L-18L d=512, {_H100_BENCH}"),
+                  (1024, 0.106, f"measured: 12-layer slice of 100L-100L d=1024, {_H100_BENCH}")],
 }
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
@@ -79,9 +87,12 @@ NAMED_MODELS: dict[str, dict] = {
 }
 
 
-def kernel_efficiency(key: str) -> tuple[float, str]:
-    """The planner's default kernel efficiency for GPU type `key` and the measurement it comes from."""
-    return KERNEL_EFFICIENCY[key]
+def kernel_efficiency(key: str, d_model: int) -> tuple[float, str]:
+    """The default kernel efficiency for GPU type `key` and a model of width `d_model`, and the
+    measurement it comes from (the entry of the nearest measured width, on a log scale)."""
+    entries = KERNEL_EFFICIENCY[key]
+    _, value, source = min(entries, key=lambda e: abs(math.log2(max(e[0], 1) / d_model)) if e[0] else 0.0)
+    return value, source
 
 
 def device_key(gpu_name: str) -> str | None:
