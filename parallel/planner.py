@@ -65,9 +65,9 @@ _H100_BENCH = "docs/bench/gpu-h100/results.json"
 KERNEL_EFFICIENCY: dict[str, list[tuple[int, float, str]]] = {
     "v100-32gb": _ASSUMED,
     "a100-80gb": _ASSUMED,
-    "h100-80gb": [(64, 0.00044, f"measured: 100L-100L d=64, {_H100_BENCH}"),
-                  (512, 0.0296, f"measured: 18L-18L d=512, {_H100_BENCH}"),
-                  (1024, 0.106, f"measured: 12-layer slice of 100L-100L d=1024, {_H100_BENCH}")],
+    "h100-80gb": [(64, 0.00041, f"measured: 100L-100L d=64, {_H100_BENCH}"),
+                  (512, 0.0224, f"measured: 18L-18L d=512, {_H100_BENCH}"),
+                  (1024, 0.119, f"measured: 12-layer slice of 100L-100L d=1024, {_H100_BENCH}")],
 }
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 

@@ -18,7 +18,7 @@ def test_h100_defaults_are_the_committed_bench_measurements():
 
 
 def test_a_model_takes_the_nearest_measured_width():
-    assert kernel_efficiency("h100-80gb", 512)[0] == pytest.approx(0.0296)
-    assert kernel_efficiency("h100-80gb", 700)[0] == pytest.approx(0.0296)  # log2 distances 0.45 and 0.55
-    assert kernel_efficiency("h100-80gb", 2048)[0] == pytest.approx(0.106)
+    assert kernel_efficiency("h100-80gb", 512)[0] == pytest.approx(0.0224)
+    assert kernel_efficiency("h100-80gb", 700)[0] == pytest.approx(0.0224)  # log2 distances 0.45 and 0.55
+    assert kernel_efficiency("h100-80gb", 2048)[0] == pytest.approx(0.119)
     assert kernel_efficiency("a100-80gb", 1024) == (0.35, "assumed (no measurement on this GPU type)")

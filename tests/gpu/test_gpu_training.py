@@ -135,7 +135,8 @@ def test_consolidate_and_beam_search_on_the_gpu(gpu_run, tmp_path):
 
 def test_peak_memory_within_the_planners_prediction(tmp_path):
     """A 6L-6L d=512 bf16 step (4,096-token micro-batches) against parallel/planner.py: the
-    planner counts tensors, not the allocator's rounding and cuBLAS workspaces; ±25%."""
+    planner counts tensors, not the allocator's rounding and cuBLAS workspaces: ±10% (measured on an
+    H100: 4.06 GiB against 4.07 predicted; docs/bench/gpu-h100/report.md)."""
     proc = subprocess.run([sys.executable, "launcher/bench_gpu.py", "--worker", "6L-6L-d512", "--steps", "2",
                            "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
@@ -143,7 +144,7 @@ def test_peak_memory_within_the_planners_prediction(tmp_path):
     with open(tmp_path / "6L-6L-d512.json") as f:
         r = json.load(f)
     ratio = r["peak_memory_bytes"] / r["planner_peak_bytes"]
-    assert 0.75 <= ratio <= 1.25, f"measured {r['peak_memory_bytes'] / 2**30:.2f} GiB, planner " \
+    assert 0.9 <= ratio <= 1.1, f"measured {r['peak_memory_bytes'] / 2**30:.2f} GiB, planner " \
                                   f"{r['planner_peak_bytes'] / 2**30:.2f} GiB"
 
 
