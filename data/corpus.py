@@ -12,8 +12,13 @@ Language codes come from the file names and are validated (:func:`check_language
 lack a split (OPUS-100's zero-shot pairs only have test). Every pair is used in both directions.
 """
 
+import contextlib
+import errno
+import functools
+import json
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +27,9 @@ import numpy as np
 from data.errors import DataError
 
 SPLITS = ("train", "dev", "test")
+# Byte-order marks, longest first (UTF-32LE's starts with UTF-16LE's).
+BOMS = ((b"\xff\xfe\x00\x00", "UTF-32LE"), (b"\x00\x00\xfe\xff", "UTF-32BE"), (b"\xef\xbb\xbf", "UTF-8"),
+        (b"\xff\xfe", "UTF-16LE"), (b"\xfe\xff", "UTF-16BE"))
 BLOCK_BYTES = 1 << 24  # read size when indexing lines: large enough for numpy to pay off
 _OPUS = re.compile(r"^opus\.([^-./]+)-([^-./]+)-(train|dev|test)\.([^-./]+)$")
 _PLAIN = re.compile(r"^(train|dev|valid|test)\.([^-./]+)-([^-./]+)\.([^-./]+)$")
@@ -30,12 +38,45 @@ _PLAIN = re.compile(r"^(train|dev|valid|test)\.([^-./]+)-([^-./]+)\.([^-./]+)$")
 _CODE = re.compile(r"^[a-z]{2,3}(_[A-Za-z0-9]{2,8})*$")
 
 
+# Where the ISO 639 tables are: pycountry's copy when it is installed, else the system's
+# iso-codes package (Debian/Ubuntu `iso-codes`, the same data). Without either, codes are
+# checked for their form only.
+ISO_CODE_FOLDERS = ("/usr/share/iso-codes/json",)
+
+
+@functools.cache
+def known_languages() -> frozenset[str] | None:
+    """Every ISO 639-1/-2/-3/-5 code, or None when no table is installed."""
+    folders = list(ISO_CODE_FOLDERS)
+    with contextlib.suppress(ImportError):
+        import pycountry
+
+        folders.insert(0, os.path.join(os.path.dirname(pycountry.__file__), "databases"))
+    codes: set[str] = set()
+    for folder in folders:
+        for part in ("639-2", "639-3", "639-5"):
+            for name in (f"iso{part}.json", f"iso_{part}.json"):
+                path = os.path.join(folder, name)
+                if os.path.isfile(path):
+                    with open(path, encoding="utf-8") as handle:
+                        for entry in json.load(handle).get(part, []):
+                            codes.update(entry.get(k) for k in ("alpha_2", "alpha_3", "bibliographic"))
+    codes.discard(None)
+    return frozenset(codes) or None
+
+
 def check_language(code: str, where: str) -> str:
     """``code`` if it is a valid language code, else a ``DataError`` that says where it came from."""
-    if not _CODE.match(code):
+    if not isinstance(code, str) or not _CODE.match(code):
         raise DataError(
             f"{where}: {code!r} is not a language code; use an ISO 639 code with optional "
             "'_Script' or '_REGION' subtags (de, ast, pt_BR, zh_Hans)"
+        )
+    known = known_languages()
+    if known is not None and code.split("_")[0] not in known:
+        raise DataError(
+            f"{where}: {code.split('_')[0]!r} is not an ISO 639 language code; check the "
+            "spelling (de, ast, pt_BR, zh_Hans)"
         )
     return code
 
@@ -74,20 +115,70 @@ def _match(filename: str) -> tuple[str, str, str, str] | None:
 
 def _candidates(corpus_dir: str) -> Iterator[str]:
     """Every file below ``corpus_dir``, hidden ones left out, in a fixed order. Any depth, so
-    that OPUS-100's release folder (``supervised/``, ``zero-shot/``) can be given as it is."""
-    for folder, subfolders, files in os.walk(corpus_dir):
+    that OPUS-100's release folder (``supervised/``, ``zero-shot/``) can be given as it is, and
+    through symbolic links to folders (a link back to a folder above is a loop and an error)."""
+    def walk_error(error: OSError) -> None:
+        raise DataError(f"{error.filename}: cannot be read ({error.strerror}); fix its permissions")
+
+    seen: set[str] = set()
+    for folder, subfolders, files in os.walk(corpus_dir, followlinks=True, onerror=walk_error):
+        seen.add(os.path.realpath(folder))
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for name in subfolders:
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and os.path.realpath(path) in seen | _ancestors(folder):
+                raise DataError(f"{path}: symbolic link to {os.path.realpath(path)}, a folder that is "
+                                "already read (a loop, or the same text twice); remove the link")
+            if _OPUS.match(name) or _PLAIN.match(name):
+                raise DataError(f"{path}: is a folder, but its name is that of a corpus file; "
+                                "rename it or replace it by the text file")
         for name in sorted(files):
             if not name.startswith("."):
                 yield os.path.join(folder, name)
+
+
+def _ancestors(folder: str) -> set[str]:
+    real, parents = os.path.realpath(folder), set()
+    while real not in parents:
+        parents.add(real)
+        real = os.path.dirname(real)
+    return parents
+
+
+def check_file(path: str) -> None:
+    """A corpus file must be a readable regular file (or a link to one) whose text is UTF-8
+    without a byte-order mark; anything else stops here, naming the file and what to do."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise DataError(f"{path}: dangling symbolic link (its target {os.path.realpath(path)} does not "
+                        "exist); fix or remove the link") from None
+    except OSError as error:
+        kind = "symbolic link loop" if error.errno == errno.ELOOP else error.strerror
+        raise DataError(f"{path}: {kind}; fix or remove it") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DataError(f"{path}: not a regular file; a corpus file must be plain text")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+    except OSError as error:
+        raise DataError(f"{path}: cannot be read ({error.strerror}); fix its permissions") from None
+    for mark, encoding in BOMS:
+        if head.startswith(mark):
+            if encoding == "UTF-8":
+                raise DataError(f"{path}: starts with a UTF-8 byte-order mark; remove it "
+                                f"(sed -i '1s/^\\xEF\\xBB\\xBF//' {path})")
+            raise DataError(f"{path}: is {encoding} text; convert it to UTF-8 "
+                            f"(iconv -f {encoding} -t UTF-8)")
 
 
 def list_pairs(corpus_dir: str) -> list[CorpusPair]:
     """Every pair of the corpus, sorted by name; malformed names and incomplete or doubly given
     splits stop with an error naming the files."""
     if not os.path.isdir(corpus_dir):
+        what = "is not a folder" if os.path.lexists(corpus_dir) else "does not exist"
         raise DataError(
-            f"corpus folder {corpus_dir!r} does not exist; set data.corpus to a corpus folder, "
+            f"data.corpus: {corpus_dir!r} {what}; set data.corpus to a corpus folder, "
             "'gettext:<folder of .po/.mo catalogs>' or 'bundled:django'"
         )
     found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
@@ -96,6 +187,7 @@ def list_pairs(corpus_dir: str) -> list[CorpusPair]:
         if parsed is None:
             continue
         a, b, split, ext = parsed
+        check_file(path)
         for code in (a, b):
             check_language(code, path)
         if a == b:
@@ -103,7 +195,8 @@ def list_pairs(corpus_dir: str) -> list[CorpusPair]:
         if ext not in (a, b, "tsv"):
             raise DataError(f"{path}: the extension must be {a}, {b} or tsv, not {ext!r}")
         if (b, a) in found:
-            raise DataError(f"{path}: pair {a}-{b} is also given as {b}-{a}; keep one order")
+            other = next(iter(next(iter(found[(b, a)].values())).values()))
+            raise DataError(f"{path}: pair {a}-{b} is also given as {b}-{a} ({other}); keep one order")
         by_ext = found.setdefault((a, b), {}).setdefault(split, {})
         if ext in by_ext:
             raise DataError(f"{path} and {by_ext[ext]} both give split {split} of {a}-{b}")
@@ -126,6 +219,13 @@ def list_pairs(corpus_dir: str) -> list[CorpusPair]:
                     f"split {split} of {a}-{b} has {sorted(by_ext.values())}; give both "
                     f"sides ({a} and {b} files) or one .tsv"
                 )
+        seen: dict[str, str] = {}
+        for path in (p for paths in files.values() for p in paths):
+            real = os.path.realpath(path)
+            if real in seen:
+                raise DataError(f"{path} and {seen[real]} are the same file; each side and split "
+                                "of a pair needs its own text")
+            seen[real] = path
         pairs.append(CorpusPair(name=f"{a}-{b}", langs=(a, b), files=files))
     return pairs
 
@@ -161,6 +261,14 @@ def line_offsets(path: str, every: int) -> tuple[int, list[int]]:
     count, offsets, position = 0, [0], 0
     with open(path, "rb") as handle:
         while block := handle.read(BLOCK_BYTES):
+            if (nul := block.find(b"\0")) >= 0:
+                line = count + block.count(b"\n", 0, nul) + 1
+                hint = ("the file looks like UTF-16 or UTF-32; convert it to UTF-8 with iconv"
+                        if block.count(b"\0", nul, nul + 64) >= 16 else "remove the NUL bytes or the line")
+                raise DataError(f"{path} line {line}: contains a NUL byte (binary data?); {hint}")
+            if not position and b"\n" not in block and b"\r" in block.rstrip(b"\r"):
+                raise DataError(f"{path}: lines end in CR only (old Mac line endings), so the file "
+                                f"reads as one line; convert it (tr '\\r' '\\n' < {path})")
             ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10)
             # Line k·every starts right after newline number k·every - 1.
             first = -(-count // every) * every
@@ -207,6 +315,9 @@ def count_pair_lines(pair: CorpusPair, split: str, every: int = 1 << 62) -> list
     whose line counts differ stop here, before any slow step, naming both files and counts."""
     files = pair.files[split]
     result = [line_offsets(path, every) for path in files]
+    for path, (lines, _) in zip(files, result, strict=True):
+        if lines == 0:
+            raise DataError(f"{path}: empty file; fill it or remove it (and its other side)")
     if len(files) == 2 and result[0][0] != result[1][0]:
         raise DataError(
             f"line counts differ: {files[0]} has {result[0][0]} lines but {files[1]} has "

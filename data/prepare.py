@@ -29,18 +29,23 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from itertools import groupby
 
+import numpy as np
+
 from data.binarize import binarize_shard, load_stats, shard_done, token_dtype
 from data.config import BUNDLED_DJANGO, GETTEXT_PREFIX, DataConfig
 from data.corpus import SPLITS, CorpusPair, corpus_languages, list_pairs, select_pairs
 from data.errors import DataError
-from data.gettext_corpus import build_django_corpus, build_gettext_corpus, find_catalogs
+from data.gettext_corpus import build_django_corpus, build_gettext_corpus, django_locale_root, find_catalogs
 from data.shards import Shard, output_prefix, plan_shards, shard_from_dict
 from data.spm import load_tokenizer, train_spm, write_sample
 from data.validate import (
+    REASONS,
     build_report,
     check_done,
     check_shard,
+    count_reasons,
     deduplicate,
+    final_path,
     write_report,
 )
 from data.workers import run_tasks, worker_count
@@ -72,8 +77,14 @@ def load_manifest(out_dir: str) -> dict:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         raise DataError(f"{out_dir} holds no prepared data ({MANIFEST} missing); prepare it first")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            manifest = json.load(handle)
+    except (ValueError, OSError) as error:
+        raise DataError(f"{path} is damaged ({error}); delete it and run ./run.sh prepare again") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path} is damaged (not a JSON object); delete it and run ./run.sh prepare again")
+    return manifest
 
 
 def _sha256(path: str) -> str:
@@ -116,7 +127,10 @@ def _is_current(out_dir: str, key: dict, fingerprint: str) -> dict | None:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return None
-    manifest = load_manifest(out_dir)
+    try:
+        manifest = load_manifest(out_dir)
+    except DataError:
+        return None  # damaged: prepared again
     if (
         manifest.get("format") != FORMAT_VERSION
         or manifest.get("config_key") != key
@@ -156,20 +170,49 @@ def prepare_data(
     ``out_dir``; write and return the manifest. Returns the existing manifest untouched when it
     was made from the same config and corpus. ``progress``: show progress bars (default: when
     stderr is a terminal)."""
+    check_corpus(cfg)
+    created = os.path.abspath(out_dir)
+    while not os.path.lexists(os.path.dirname(created)):
+        created = os.path.dirname(created)
+    created = None if os.path.lexists(created) else created
     os.makedirs(out_dir, exist_ok=True)
     key = cfg.preparation_key()
     if progress is None:
         progress = os.isatty(2)
-    with _locked(out_dir):
-        fingerprint = _corpus_fingerprint(cfg)
-        manifest = _is_current(out_dir, key, fingerprint)
-        if manifest is not None:
-            log(f"data: {out_dir} is up to date ({_summary(manifest)})")
-            return manifest
-        old = os.path.join(out_dir, MANIFEST)
-        if os.path.exists(old):
-            os.remove(old)  # from here on the folder is incomplete until the new one is written
-        return _prepare(cfg, out_dir, key, fingerprint, log, progress)
+    try:
+        with _locked(out_dir):
+            fingerprint = _corpus_fingerprint(cfg)
+            manifest = _is_current(out_dir, key, fingerprint)
+            if manifest is not None:
+                log(f"data: {out_dir} is up to date ({_summary(manifest)})")
+                return manifest
+            old = os.path.join(out_dir, MANIFEST)
+            if os.path.exists(old):
+                os.remove(old)  # from here on the folder is incomplete until the new one is written
+            return _prepare(cfg, out_dir, key, fingerprint, log, progress)
+    except DataError:
+        # Bad input: what this call created holds nothing worth resuming (fixing the input
+        # changes its fingerprint, which discards the work anyway), so leave no trace of it.
+        if created:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
+
+
+def check_corpus(cfg: DataConfig) -> None:
+    """The checks that need no pass over the text: the corpus folder, its file names, kinds,
+    encodings marks and language codes, the selected pairs and their splits. Cheap, so they run
+    before anything is created."""
+    if cfg.corpus == BUNDLED_DJANGO or cfg.corpus.startswith(GETTEXT_PREFIX):
+        root = django_locale_root() if cfg.corpus == BUNDLED_DJANGO else cfg.corpus[len(GETTEXT_PREFIX):]
+        if not os.path.isdir(root):
+            raise DataError(f"data.corpus={cfg.corpus!r}: {root!r} is not a folder of gettext catalogs")
+        catalogs = find_catalogs(root)
+        missing = [language for language in cfg.languages if language not in catalogs]
+        if missing:
+            raise DataError(f"data.languages: no catalogs for {missing} under {root}; available: "
+                            f"{', '.join(catalogs)}")
+        return
+    check_layout(select_pairs(list_pairs(cfg.corpus), cfg.languages))
 
 
 def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
@@ -238,6 +281,7 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     else:
         shards = plan_shards(pairs, cfg.shard_size, SPLITS)
         _write_json(plan_path, [shard.to_dict() for shard in shards])
+    check_layout(pairs)
     workers = worker_count(cfg.workers)
     lines = {pair.name: {} for pair in pairs}
     for shard in shards:
@@ -254,6 +298,7 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
         deduplicate(list(group), work)
     log(f"data: validated {_rate(sum(t[0].lines for t in todo), time.perf_counter() - clock)}"
         + _earlier(len(shards) - len(todo)))
+    check_splits(pairs, shards, {s.id: count_reasons(np.load(final_path(work, s))) for s in shards})
 
     model_path = spm_model_path(out_dir)
     sample_info = os.path.join(work, "spm.json")
@@ -284,6 +329,7 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
         + _earlier(len(shards) - len(todo)))
 
     stats = {shard.id: load_stats(out_dir, shard) for shard in shards}
+    check_splits(pairs, shards, {shard.id: stats[shard.id]["reasons"] for shard in shards})
     report = build_report([pair.name for pair in pairs], shards, stats)
     for line in write_report(report, out_dir):
         log(line)
@@ -332,6 +378,41 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     shutil.rmtree(work, ignore_errors=True)
     log(f"data: prepared {out_dir} in {manifest['seconds']:.1f} s ({_summary(manifest)})")
     return manifest
+
+
+def check_layout(pairs: list[CorpusPair]) -> None:
+    """Stop unless some pair has training text and every such pair has a dev split (a pair with
+    test text only, such as OPUS-100's zero-shot pairs, is for evaluation)."""
+    if not any("train" in pair.files for pair in pairs):
+        raise DataError("no selected pair has a train split; add train files or change data.languages")
+    for index, pair in enumerate(pairs):
+        if "train" in pair.files and "dev" not in pair.files:
+            a, b = pair.langs
+            raise DataError(
+                f"pair {pair.name} ({os.path.dirname(pair.files['train'][0])}) has train but no dev split; "
+                f"add its dev files (opus.{a}-{b}-dev.{a}/.{b}, dev.{a}-{b}.{a}/.{b} or dev.{a}-{b}.tsv), "
+                "a few hundred line pairs held out from training"
+            )
+
+
+def check_splits(pairs: list[CorpusPair], shards: list[Shard], counts: dict[str, dict]) -> None:
+    """Stop unless the train and dev split of every pair keep at least one line pair (``counts``:
+    per shard id, kept and dropped lines per reason). A split that is mostly not UTF-8 is a file in
+    another encoding, not a few bad lines."""
+    for index, pair in enumerate(pairs):
+        for split, files in pair.files.items():
+            mine = [counts[s.id] for s in shards if s.pair == index and s.split == split]
+            total = {key: sum(c[key] for c in mine) for key in ("kept", *REASONS)}
+            lines = sum(total.values())
+            names = " and ".join(files)
+            if total["invalid_utf8"] * 2 > lines:
+                raise DataError(f"{names}: {total['invalid_utf8']:,} of {lines:,} lines are not UTF-8; "
+                                "convert the file(s) to UTF-8 (iconv -f ENCODING -t UTF-8)")
+            if split in ("train", "dev") and total["kept"] == 0:
+                dropped = ", ".join(f"{r} {total[r]:,}" for r in REASONS if total[r])
+                raise DataError(f"{names}: none of the {lines:,} line pairs of {split} is usable "
+                                f"({dropped}); see data.max_chars, data.max_source_len and "
+                                "data.max_length_ratio, or fix the text")
 
 
 def split_index(

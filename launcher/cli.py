@@ -48,14 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run.sh", description="deepnet-trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     table = commands()
+    # Only the chosen command builds its arguments: some import torch to read their defaults,
+    # which a command that stops on a bad config should not pay for.
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, module in sorted(table.items()):
-        module.add_arguments(sub.add_parser(name.replace("_", "-"), help=module.HELP,
-                                            description=module.HELP))
+        parser_ = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
+        if name.replace("_", "-") == chosen:
+            module.add_arguments(parser_)
     args = parser.parse_args(argv)
     try:
         return table[args.command.replace("-", "_")].run(args)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file or folder the command cannot use (permissions, a full disk)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; finished work is kept and a rerun continues from it", file=sys.stderr)

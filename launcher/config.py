@@ -4,39 +4,61 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
+import stat
 import typing
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 import yaml
 
-from data.config import DataConfig
-from model.config import ModelConfig
+from data.config import DataConfig, Seed
+from model.config import ModelConfig, NonNegative, Positive, Range, Rule, check_fields
+
+FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
+MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
 
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the key."""
 
 
+def _partition_method_ok(method: str) -> bool:
+    if method in ("cost", "parameters", "uniform"):
+        return True
+    if not method.startswith("type:") or not method[len("type:"):]:
+        return False
+    try:
+        re.compile(method[len("type:"):])
+    except re.error:
+        return False
+    return True
+
+
+PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
+                                      "(a valid regular expression)")]
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How the model is laid out over processes."""
 
-    pipeline_stages: int = 1
+    pipeline_stages: Positive = 1
     """pp: number of pipeline stages (depth partitions)."""
-    tensor_parallel: int = 1
+    tensor_parallel: Positive = 1
     """tp: megatron-core tensor parallelism inside each stage (heads, FFN columns and the
     vocabulary are split tp ways; tp must divide model.heads, model.ffn_dim and the vocabulary)."""
-    data_parallel: int = 1
+    data_parallel: Positive = 1
     """dp: number of model replicas. Processes launched = pipeline_stages × tensor_parallel ×
     data_parallel."""
-    zero_stage: int = 1
+    zero_stage: Literal[0, 1] = 1
     """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. Stage 1 also gives the correct
     global gradient norm under pp > 1 (DeepSpeed's fp32 stage-0 path does not)."""
-    activation_checkpoint_interval: int = 0
+    activation_checkpoint_interval: NonNegative = 0
     """Recompute activations every this many layers in backward (0 = off)."""
-    precision: str = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32 | bf16 | fp16 (bf16 on GPUs; on CPUs without bf16 instructions it is ~3× slower)."""
-    partition_method: str = "cost"
+    partition_method: PartitionMethod = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
 
@@ -45,33 +67,33 @@ class ParallelConfig:
 class TrainConfig:
     """Optimisation and bookkeeping."""
 
-    max_steps: int = 1000
+    max_steps: Positive = 1000
     """Optimizer steps to run."""
-    micro_batches: int = 1
+    micro_batches: Positive = 1
     """Micro-batches per optimizer step per replica (DeepSpeed gradient_accumulation_steps)."""
-    lr: float = 5e-4
+    lr: Annotated[float, Range(gt=0.0)] = 5e-4
     """Peak learning rate, reached at the end of the warm-up."""
-    warmup_steps: int = 4000
+    warmup_steps: NonNegative = 4000
     """Linear warm-up length; afterwards lr decays as 1/sqrt(step) (inverse square root)."""
-    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_betas: Annotated[tuple[float, float], Range(ge=0.0, lt=1.0)] = (0.9, 0.98)
     """Adam β₁, β₂."""
-    adam_eps: float = 1e-8
+    adam_eps: Annotated[float, Range(gt=0.0)] = 1e-8
     """Adam ε."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Range(ge=0.0)] = 0.0
     """Decoupled weight decay (AdamW)."""
-    clip_norm: float = 0.0
+    clip_norm: Annotated[float, Range(ge=0.0)] = 0.0
     """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
-    seed: int = 1
+    seed: Seed = 1
     """Seed of the weights (layer i uses seed + i) and of the data order."""
-    log_interval: int = 10
+    log_interval: Positive = 10
     """Print loss, lr, gradient norm and tokens/s every this many steps."""
-    valid_interval: int = 100
+    valid_interval: Positive = 100
     """Compute the validation loss every this many steps (and at the end)."""
-    save_interval: int = 500
+    save_interval: Positive = 500
     """Save a checkpoint every this many steps (and at the end)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: Positive = 2
     """Checkpoints kept on disk (oldest deleted first)."""
-    instrument_interval: int = 0
+    instrument_interval: NonNegative = 0
     """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
     norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
 
@@ -83,9 +105,9 @@ class ClusterLayout:
     The same model and optimisation, laid out for one cluster: its sections override the config's
     own, and nodes × gpus_per_node must equal the resulting pipeline × tensor × data ranks."""
 
-    nodes: int
+    nodes: Positive
     """Nodes of the SLURM job."""
-    gpus_per_node: int
+    gpus_per_node: NonNegative
     """GPUs per node; one rank per GPU."""
     gpu: str = ""
     """The device the layout was sized for (v100-32gb, a100-80gb, h100-80gb); informative."""
@@ -99,7 +121,7 @@ class ClusterLayout:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: str = "runs/default"
+    run_dir: FolderPath = "runs/default"
     """Where data, checkpoints, logs and the summary go. An existing run directory is resumed."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -114,13 +136,36 @@ class RunConfig:
         return p.pipeline_stages * p.tensor_parallel * p.data_parallel
 
 
-def _coerce(value, typ, where: str):
-    """Check/convert one YAML value against a dataclass field type."""
+def _type_name(typ) -> str:
+    base = typing.get_args(typ)[0] if typing.get_origin(typ) is Annotated else typ
+    if typing.get_origin(base) is Literal:
+        return "one of " + ", ".join(str(x) for x in typing.get_args(base))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
+    return names.get(base, getattr(base, "__name__", str(base)))
+
+
+def _coerce(value, typ, file: str, key: str):
+    """Check/convert the YAML value of `key` in `file` against a dataclass field type (Annotated
+    and Literal too)."""
+    where = f"{file}: {key}"
+    if typing.get_origin(typ) is Annotated:
+        typ = typing.get_args(typ)[0]
     origin = typing.get_origin(typ)
-    if origin is typing.Union or str(typ).startswith("typing.Optional"):
-        return value
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+    if value is None:
+        raise ConfigError(f"{where} has no value; give {_type_name(typ)} or remove the key")
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(str(c) for c in choices)}")
+    if typ is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        # YAML 1.1 reads 5e-4 (no dot) as a string; take it as the number it spells.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+        except OverflowError:
+            raise ConfigError(f"{where}={value!r}: too large; give a finite number") from None
     if typ is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if typ is bool and isinstance(value, bool):
@@ -131,37 +176,53 @@ def _coerce(value, typ, where: str):
         return dict(value)
     if origin is dict and isinstance(value, dict):
         item = typing.get_args(typ)[1]
-        return {str(k): from_dict(item, v, f"{where}.{k}") if dataclasses.is_dataclass(item) else v
+        return {str(k): from_dict(item, v, file, f"{key}.{k}.") if dataclasses.is_dataclass(item) else v
                 for k, v in value.items()}
     if origin in (list, tuple) and isinstance(value, (list, tuple)):
         args = typing.get_args(typ)
         if origin is tuple and len(args) != len(value):
             raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
-        items = [_coerce(v, args[0] if origin is list else args[i], f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_coerce(v, args[0] if origin is list else args[i], file, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    if origin in (list, tuple):
+        raise ConfigError(f"{where}={value!r}: expected a list ([a, b])")
+    raise ConfigError(f"{where}={value!r}: expected {_type_name(typ)}")
 
 
-def from_dict(cls, values: dict, where: str):
-    """Build dataclass `cls` from a mapping; unknown keys and wrong types raise ConfigError."""
+def from_dict(cls, values: dict, where: str, prefix: str = ""):
+    """Build dataclass `cls` from a mapping read from file `where`; `prefix` is the key path of
+    the mapping ("model."). Unknown keys, wrong types, values outside the enumeration or bounds
+    declared in the field annotations and broken rules of the dataclass raise a ConfigError that
+    names the file and the key."""
+    section = prefix.rstrip(".") or "the top level"
+    if values is None:
+        raise ConfigError(f"{where}: {section} is empty; give its keys or remove it")
     if not isinstance(values, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {values!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+        raise ConfigError(f"{where}: {section} must be a mapping of keys, got {values!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = [str(k) for k in values if k not in known]
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+        raise ConfigError(f"{where}: unknown key {prefix}{unknown[0]}; the keys{' of ' + section if prefix else ''} "
+                          f"are {', '.join(known)}")
     kwargs = {}
     for name, value in values.items():
         typ = hints[name]
         if dataclasses.is_dataclass(typ):
-            kwargs[name] = from_dict(typ, value, f"{where}.{name}")
+            kwargs[name] = from_dict(typ, value, where, f"{prefix}{name}.")
         else:
-            kwargs[name] = _coerce(value, typ, f"{where}.{name}")
+            kwargs[name] = _coerce(value, typ, where, f"{prefix}{name}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: {prefix}{missing[0]} is required; give it a value")
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
+        check_fields(obj, prefix.rstrip(".") or "run")
     except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        message = str(e)
+        raise ConfigError(f"{where}: {message.removeprefix('run.')}") from None
+    return obj
 
 
 def to_dict(obj) -> dict:
@@ -180,19 +241,76 @@ def with_cluster(values: dict, name: str, where: str) -> dict:
     return merged
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: a key must be a name, not {key!r}")
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {key!r} is given twice; keep one")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str) -> dict:
+    """The mapping of a YAML config file; anything that is not one (a missing path, a folder, a
+    special or binary file, an empty file, bad YAML, a key given twice) is a one-line ConfigError."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (configs/ lists the bundled ones)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{path}: is a folder; give a YAML config file (configs/ lists the bundled ones)")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{path}: not a regular file; give a YAML config file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {info.st_size:,} bytes is not a run config (they are a few hundred "
+                          "bytes); give a YAML config file")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path} line {line}: not UTF-8 text (a binary file?); give a YAML config file") from None
+    if "\0" in text:
+        raise ConfigError(f"{path} line {text[:text.index(chr(0))].count(chr(10)) + 1}: contains a NUL byte "
+                          "(a binary file?); give a YAML config file")
+    try:
+        values = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except ConfigError as e:
+        raise ConfigError(f"{path} {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path} line {mark.line + 1}" if mark else path
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a run config") from None
+    if values is None:
+        raise ConfigError(f"{path}: the config is empty; copy configs/default.yaml and change what you need")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: a config is a mapping of sections (run_dir, model, data, parallel, "
+                          f"train), got {type(values).__name__}")
+    return values
+
+
 def load_config(path: str, overrides: dict | None = None, cluster: str | None = None) -> RunConfig:
     """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. from tests);
     `cluster` selects one of the config's `clusters:` layouts. Every layout is validated."""
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: no such config file (configs/ lists the bundled ones)")
-    with open(path, encoding="utf-8") as f:
-        try:
-            values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    values = read_yaml(path)
     for section, items in (overrides or {}).items():
-        if isinstance(items, dict):
-            values.setdefault(section, {}).update(items)
+        if isinstance(items, dict) and isinstance(values.get(section), dict):
+            values[section].update(items)
         else:
             values[section] = items
     cfg = from_dict(RunConfig, values, path)
@@ -211,34 +329,55 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
 
 
 def validate(cfg: RunConfig, where: str) -> None:
-    p, t = cfg.parallel, cfg.train
-    if min(p.pipeline_stages, p.tensor_parallel, p.data_parallel) < 1:
-        raise ConfigError(f"{where}: parallel.pipeline_stages, tensor_parallel and data_parallel must be >= 1")
-    for key, value in (("model.heads", cfg.model.heads), ("model.ffn_dim", cfg.model.ffn_dim),
-                       ("data.vocab_size", cfg.data.vocab_size)):
+    """Rules across keys and sections (each field's own type and bounds are checked when read)."""
+    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
+    try:
+        m.validate() if m.vocab_size else dataclasses.replace(m, vocab_size=1).validate()
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if m.vocab_size and m.vocab_size < d.vocab_size:
+        raise ConfigError(f"{where}: model.vocab_size={m.vocab_size} is below data.vocab_size={d.vocab_size}, "
+                          "so some token ids would have no embedding; set model.vocab_size: 0 (taken from the data)")
+    for key, value in (("model.heads", m.heads), ("model.ffn_dim", m.ffn_dim),
+                       ("model.vocab_size" if m.vocab_size else "data.vocab_size", m.vocab_size or d.vocab_size)):
         if value % p.tensor_parallel:
             raise ConfigError(f"{where}: parallel.tensor_parallel={p.tensor_parallel} must divide {key}={value}")
-    if p.zero_stage not in (0, 1):
-        raise ConfigError(f"{where}: parallel.zero_stage={p.zero_stage}: DeepSpeed's pipeline engine "
-                          "supports ZeRO stage 0 or 1 only")
+    longest = max(d.max_source_len, d.max_target_len)
+    if m.max_positions < longest:
+        raise ConfigError(f"{where}: model.max_positions={m.max_positions} is below the longest sequence "
+                          f"the data allows (data.max_source_len/max_target_len = {longest}); raise it")
     if p.zero_stage == 0 and p.pipeline_stages > 1 and t.clip_norm > 0 and p.precision == "fp32":
         raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1 and "
                           "train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
                           "use zero_stage: 1")
-    if p.precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"{where}: parallel.precision={p.precision!r}: use fp32, bf16 or fp16")
-    if p.activation_checkpoint_interval < 0:
-        raise ConfigError(f"{where}: parallel.activation_checkpoint_interval must be >= 0")
-    if t.instrument_interval < 0:
-        raise ConfigError(f"{where}: train.instrument_interval must be >= 0 (0 turns the instruments off)")
-    if t.micro_batches < 1 or t.max_steps < 1:
-        raise ConfigError(f"{where}: train.micro_batches and train.max_steps must be >= 1")
-    n_layers = cfg.model.encoder_layers + cfg.model.decoder_layers + 2
+    n_layers = m.encoder_layers + m.decoder_layers + 2
     if p.pipeline_stages > n_layers:
         raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the "
                           f"{n_layers} pipeline layers of the model")
+    if p.partition_method.startswith("type:"):
+        check_type_partition(cfg, where)
+
+
+def check_type_partition(cfg: RunConfig, where: str) -> None:
+    """`partition_method: type:REGEX` as DeepSpeed applies it (its `regex` module, case-insensitive
+    search in the class names of the pipeline layers): it must match a layer and give every stage
+    at least one layer, or the ranks fail after they started."""
+    import regex
+    from deepspeed.runtime.utils import partition_balanced
+
+    from parallel.pipeline import layer_specs
+
+    pattern = cfg.parallel.partition_method[len("type:"):]
     try:
-        probe = dataclasses.replace(cfg.model, vocab_size=max(cfg.model.vocab_size, 1))
-        probe.validate()
-    except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        search = regex.compile(pattern, regex.IGNORECASE).search
+    except regex.error as e:
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r}: {e}") from None
+    names = [spec.typename.__name__ for spec in layer_specs(dataclasses.replace(cfg.model, vocab_size=16), 0)]
+    weights = [int(bool(search(name))) for name in names]
+    if not any(weights):
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} matches none of the "
+                          f"pipeline layers ({', '.join(sorted(set(names)))})")
+    parts = partition_balanced(weights, cfg.parallel.pipeline_stages)
+    if any(a == b for a, b in zip(parts, parts[1:])):
+        raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} leaves a pipeline "
+                          "stage without layers; use cost (the default)")

@@ -124,9 +124,11 @@ def test_the_first_of_duplicates_is_kept_and_bad_lines_never_reach_the_shards(ba
 
 
 def test_mismatched_line_counts_stop_naming_both_files_and_counts(tmp_path):
-    left, right = tmp_path / "c" / "en-xx" / "opus.en-xx-train.en", tmp_path / "c" / "en-xx" / "opus.en-xx-train.xx"
+    left, right = tmp_path / "c" / "en-de" / "opus.en-de-train.en", tmp_path / "c" / "en-de" / "opus.en-de-train.de"
     _write(str(left), [b"one", b"two", b"three"])
     _write(str(right), [b"eins", b"zwei"])
+    for side in ("en", "de"):
+        _write(str(tmp_path / "c" / "en-de" / f"opus.en-de-dev.{side}"), [b"ok"])
     out = tmp_path / "out"
     with pytest.raises(DataError) as error:
         prepare_data(DataConfig(corpus=str(tmp_path / "c"), languages=[]), str(out), log=print)
@@ -138,6 +140,7 @@ def test_mismatched_line_counts_stop_naming_both_files_and_counts(tmp_path):
 def test_malformed_tsv_line_stops_naming_file_and_line(tmp_path):
     rows = [b"Hello\tHallo"] * 5 + [b"no tab here"] + [b"Yes\tJa"] * 5
     _write(str(tmp_path / "c" / "train.de-en.tsv"), rows)
+    _write(str(tmp_path / "c" / "dev.de-en.tsv"), [b"Good\tGut"])
     with pytest.raises(DataError, match=r"train\.de-en\.tsv line 6 has 0 tabs"):
         prepare_data(DataConfig(corpus=str(tmp_path / "c"), languages=[], workers=1),
                      str(tmp_path / "out"), log=lambda _: None)

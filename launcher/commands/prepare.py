@@ -6,6 +6,7 @@ import os
 
 from launcher.cli import DEFAULT_CONFIG
 from launcher.config import load_config
+from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
 
 HELP = "validate, tokenise and binarise the corpus of a config (resumable); no training"
 
@@ -15,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", help="override run_dir of the config")
     parser.add_argument("--out", help="prepare into this folder instead of <run_dir>/data")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--check-device", action="store_true",
+                        help="also check that this machine's accelerator can train the config (precision, "
+                             "memory): for a job's first node, before it starts the ranks")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,6 +28,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     out = args.out or os.path.join(cfg.run_dir, "data")
+    if args.out:
+        check_writable_folder(args.out, "--out")
+    else:
+        check_run_dir(cfg, args.config)
+        check_resume(cfg, args.config)
+    if args.check_device:
+        check_device(cfg, args.config)
     print(f"config {args.config} → {out}", flush=True)
     try:
         prepare_data(cfg.data, out, progress=not args.no_progress)

@@ -7,6 +7,7 @@ import subprocess
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
+from launcher.preflight import check_device, check_resume, check_run_dir
 from parallel import accelerator
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
@@ -28,9 +29,13 @@ def gpu_count() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from data.prepare import prepare_data
+    from data.prepare import check_corpus, prepare_data
 
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    check_run_dir(cfg, args.config)
+    check_resume(cfg, args.config)
+    check_device(cfg, args.config)
+    check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
     p, world = cfg.parallel, cfg.world_size
     layout = (f"pipeline_stages={p.pipeline_stages} × tensor_parallel={p.tensor_parallel} × "
               f"data_parallel={p.data_parallel}")

@@ -1,0 +1,109 @@
+"""Checks of the machine and the run directory before any rank starts: the accelerator can train
+the config (precision, memory), the run directory is writable, and an existing run directory is
+resumed with the model and layout it was trained with. (`launcher/config.py` checks the config
+itself.)"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+
+from launcher.config import ConfigError, RunConfig, to_dict
+from model.config import ModelConfig
+
+
+def parameters(cfg: RunConfig) -> int:
+    """Weights of the model (matrices and the shared embedding; biases and norms are negligible)."""
+    from model.flops import layer_matmul_params
+
+    m = cfg.model
+    per = layer_matmul_params(m)
+    return (m.encoder_layers * per["encoder"] + m.decoder_layers * (per["decoder_target"] + per["decoder_source"])
+            + (m.vocab_size or cfg.data.vocab_size) * m.d_model)
+
+
+def check_device(cfg: RunConfig, where: str) -> None:
+    """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a
+    CPU, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
+    device's memory. The accelerator is asked, not guessed from names."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    p = cfg.parallel
+    # A lower bound: fp32 weights and gradients, Adam's two moments sharded over the replicas
+    # by ZeRO-1, an even split over stages and tensor-parallel ranks; activations not counted.
+    need = parameters(cfg) * (8 + 8 / p.data_parallel) / (p.pipeline_stages * p.tensor_parallel)
+    have = accelerator.total_memory()
+    if need > have:
+        raise ConfigError(f"{where}: the model has {parameters(cfg):,} parameters, at least {need / 2**30:,.1f} GiB "
+                          f"of training state per rank, more than the {have / 2**30:,.1f} GiB of this "
+                          f"{accelerator.device_name()} accelerator; make it smaller (model.d_model, "
+                          "model.*_layers, data.vocab_size) or raise parallel.pipeline_stages / tensor_parallel")
+    if cfg.parallel.precision == "fp32":
+        return
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.parallel.precision]
+    if dtype not in accelerator.supported_dtypes():
+        other = "bf16" if cfg.parallel.precision == "fp16" else "fp16"
+        usable = ", ".join(x for x, dt in (("fp32", torch.float32), (other, {"bf16": torch.bfloat16,
+                           "fp16": torch.float16}[other])) if dt in accelerator.supported_dtypes())
+        raise ConfigError(f"{where}: parallel.precision={cfg.parallel.precision} is not supported by this "
+                          f"{accelerator.device_name()} accelerator; use {usable}")
+
+
+def check_writable_folder(path: str, key: str) -> None:
+    """`path` is, or can be created as, a folder this process can write (an existing one is
+    probed with a temporary file; a missing one through its nearest existing parent); nothing is
+    left behind."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        what = "exists and is not a folder" if probe == os.path.abspath(path) else f"lies under {probe}, which is not a folder"
+        raise ConfigError(f"{key}={path!r} {what}; choose another path")
+    try:
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as e:
+        raise ConfigError(f"{key}={path!r}: cannot write in {probe} ({e.strerror}); choose a writable path") from None
+
+
+def check_run_dir(cfg: RunConfig, where: str) -> None:
+    """The run directory and the folders the trainer keeps in it must be writable folders."""
+    check_writable_folder(cfg.run_dir, f"{where}: run_dir")
+    for name in ("data", "checkpoints", "metrics", "tensorboard"):
+        sub = os.path.join(cfg.run_dir, name)
+        if os.path.lexists(sub) and not os.path.isdir(sub):
+            raise ConfigError(f"{where}: run_dir: {sub} exists and is not a folder; move it away")
+
+
+# Keys a resumed run may not change: the checkpoint's tensors and their partition depend on them.
+# Activation checkpointing, precision and everything in train/data may change between launches.
+FIXED_ON_RESUME = ([("model", f.name) for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"]
+                   + [("parallel", key) for key in ("pipeline_stages", "tensor_parallel", "data_parallel",
+                                                     "zero_stage", "partition_method")])
+
+
+def resume_differences(saved: dict, now: dict) -> list[str]:
+    """`section.key: old → new` for every key of FIXED_ON_RESUME that differs."""
+    return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} → {now[section][key]!r}"
+            for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
+
+
+def check_resume(cfg: RunConfig, where: str) -> None:
+    """An existing run directory is resumed: refuse a config whose model or layout differs from
+    the one its checkpoints were trained with (run_dir/config.json), naming the keys."""
+    saved_path = os.path.join(cfg.run_dir, "config.json")
+    if not os.path.isfile(saved_path):
+        return
+    try:
+        with open(saved_path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{saved_path} is damaged ({e}); restore it, or use a new run_dir") from None
+    diffs = resume_differences(saved, to_dict(cfg))
+    if diffs:
+        raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
+                          f"({'; '.join(diffs)}); use a new run_dir, or convert the checkpoint")
