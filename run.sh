@@ -2,7 +2,10 @@
 # deepnet-trainer: the one command.
 #   ./run.sh train [CONFIG]   prepare data and train (default: configs/default.yaml)
 #   ./run.sh test [PYTEST ARGS]
+#   ./run.sh test-gpu [PYTEST ARGS]   the CUDA suite (tests/gpu; skipped with one line without a GPU)
 # The first call creates .venv from requirements.txt; later calls update it when that file changes.
+# DEEPNET_VENV=DIR uses another environment; DEEPNET_NO_INSTALL=1 uses it as it is (no pip: offline
+# GPU machines whose python already has the packages, e.g. DEEPNET_VENV=$(python3 -c 'import sys;print(sys.prefix)')).
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -10,6 +13,10 @@ VENV=${DEEPNET_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 
 ensure_venv() {
+  if [ "${DEEPNET_NO_INSTALL:-0}" = 1 ]; then
+    [ -x "$VENV/bin/python" ] || { echo "error: DEEPNET_NO_INSTALL=1 but $VENV/bin/python does not exist; set DEEPNET_VENV" >&2; exit 2; }
+    return
+  fi
   local stamp="$VENV/.requirements.sha256"
   local want
   want=$(sha256sum requirements.txt | cut -d' ' -f1)
@@ -40,8 +47,15 @@ case "$cmd" in
     # other's numbered folders (pytest keeps the newest three) while tests still use them.
     exec "$VENV/bin/python" -m pytest -q --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
     ;;
+  test-gpu)
+    # The GPU suite: the accelerator is left to DeepSpeed (it picks the GPU when one is visible).
+    if [ $# -eq 0 ]; then set -- tests/gpu; fi
+    unset DS_ACCELERATOR
+    DEEPNET_TEST_GPU=1 exec "$VENV/bin/python" -m pytest -q -rs -m gpu \
+      --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
+    ;;
   help|-h|--help)
-    sed -n '2,6p' "$0"
+    sed -n '2,9p' "$0"
     exec "$VENV/bin/python" -m launcher.cli --help
     ;;
   *)

@@ -7,6 +7,8 @@ import glob
 import json
 import os
 
+from parallel.accelerator import HOST
+
 
 def run_facts(meta: dict) -> dict:
     """What the run directory behind a loaded model says about its training (empty values when
@@ -131,7 +133,7 @@ def _usage_hf(lang: str) -> list[str]:
 def _usage_ct2(lang: str, tags: list[str]) -> list[str]:
     return ["```python", "import ctranslate2", "import sentencepiece as spm", "",
             'path = "."  # this folder', 'sp = spm.SentencePieceProcessor(model_file=f"{path}/source.spm")',
-            'translator = ctranslate2.Translator(path, device="cpu")',
+            f'translator = ctranslate2.Translator(path, device="{HOST}")',
             'texts = ["Save and continue editing", "Enter a valid email address."]',
             f'source = [["<2{lang}>"] + sp.encode(t, out_type=str) + ["</s>"] for t in texts]',
             f'tags = {tags!r}  # never generated, as in ./run.sh translate',

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.transformer import EncoderDecoder
+from parallel.accelerator import HOST
 
 PROBE_SEED = 1234
 
@@ -63,7 +64,7 @@ def verify_ct2(model: EncoderDecoder, ct2_dir: str, pieces: list[str], bos: int,
     pad = model.cfg.pad_id
     src, tgt = probe_batch(model, bos, first_piece)
     ours = torch.log_softmax(model.eval()(src, tgt).float(), dim=-1)
-    translator = ctranslate2.Translator(ct2_dir, device="cpu", intra_threads=1)
+    translator = ctranslate2.Translator(ct2_dir, device=HOST, intra_threads=1)
     sources = [[pieces[i] for i in row if i != pad] for row in src.tolist()]
     targets = [[pieces[i] for i in row[1:] if i != pad] for row in tgt.tolist()]
     results = translator.score_batch(sources, targets)

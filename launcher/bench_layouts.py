@@ -35,6 +35,7 @@ import yaml
 
 from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
+from parallel.accelerator import HOST
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads")
 FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
@@ -225,7 +226,7 @@ def bench(args: argparse.Namespace) -> int:
     for layout in layouts:
         layout = {**layout, "warmup": warmup, "steps": steps}
         world = worlds[layout["name"]]
-        if env.device_kind == "cpu" and world > (os.cpu_count() or 1):
+        if env.device_kind == HOST and world > (os.cpu_count() or 1):
             print(f"note: {layout['name']} runs {world} ranks on {os.cpu_count()} cores; its times are oversubscribed")
         print(f"running {layout['name']} ({world} rank{'s' * (world > 1)}) ...", flush=True)
         result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)

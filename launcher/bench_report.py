@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
 from parallel.planner import Layout
+from parallel import accelerator
+from parallel.accelerator import HOST
 
 MB = 2**20
 
@@ -46,13 +48,13 @@ class Environment:
         import torch
 
         cores = os.cpu_count() or 1
-        if torch.cuda.is_available():
+        if accelerator.gpu_available():
             from parallel.planner import DEVICES
 
-            name = torch.cuda.get_device_name(0)
+            name = accelerator.gpu_name()
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
             peaks = {p: (table["peak_tflops"].get(p, 0) * 1e12 if table else None) for p in precisions}
-            return cls("gpu", name, cores, torch.cuda.get_device_properties(0).total_memory, peaks, {}, os.getloadavg())
+            return cls("gpu", name, cores, accelerator.gpu_memory_bytes(), peaks, {}, os.getloadavg())
         from launcher.bench_layouts import matmul_peak
 
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,7 +64,7 @@ class Environment:
         # core (seen here: 2 cores 74 GFLOP/s, 1 core 88), so the peak is the better of the
         # all-core probe and cores × the one-thread probe.
         peaks = {p: max(matmul_peak(dtypes[p], cores), cores * core_peaks[p]) for p in sorted(precisions)}
-        return cls("cpu", _cpu_name(), cores, psutil.virtual_memory().total, peaks, core_peaks, load)
+        return cls(HOST, _cpu_name(), cores, psutil.virtual_memory().total, peaks, core_peaks, load)
 
     def peak_total(self, precision: str, world: int, threads_per_rank: int = 1) -> float | None:
         """Peak of what a layout runs on: `world` GPUs, or on CPU the cores its ranks use
@@ -70,7 +72,7 @@ class Environment:
         peak = self.peaks.get(precision)
         if peak is None:
             return None
-        if self.device_kind != "cpu":
+        if self.device_kind != HOST:
             return peak * world
         used = world * threads_per_rank
         return peak if used >= self.cores else min(peak, self.core_peaks[precision] * used)
@@ -78,7 +80,7 @@ class Environment:
     def describe(self) -> str:
         peaks = ", ".join(f"{p} {v / 1e12:.3f} TFLOP/s" if v else f"{p} unknown" for p, v in self.peaks.items())
         what = "datasheet, per device"
-        if self.device_kind == "cpu":
+        if self.device_kind == HOST:
             one = ", ".join(f"{v / 1e12:.3f}" for v in self.core_peaks.values())
             what = f"2048² matmul probe: max(all cores, cores × one thread); one thread {one}"
         load = " ".join(f"{x:.1f}" for x in self.load_average)
@@ -109,7 +111,7 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
     """The planner's peak bytes per stage for this layout and micro-batch (CPU fp32 only)."""
     from parallel.planner import cpu_device, stage_memory
 
-    if env.device_kind != "cpu" or layout["precision"] != "fp32":
+    if env.device_kind != HOST or layout["precision"] != "fp32":
         return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
     dev = cpu_device(env.peaks["fp32"], env.memory_bytes)
     plan_layout = planner_layout(layout, shape)
@@ -143,7 +145,7 @@ def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int]
                    threads_per_rank: int) -> float | None:
     from parallel.planner import cpu_device, step_time
 
-    if env.device_kind != "cpu" or layout["precision"] != "fp32":
+    if env.device_kind != HOST or layout["precision"] != "fp32":
         return None
     dev = cpu_device(env.peak_total("fp32", 1, threads_per_rank), env.memory_bytes)
     return step_time(model, planner_layout(layout, shape), dev, CPU_ASSUMED_MFU)["total"]
@@ -170,7 +172,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
     peak = env.peak_total(layout["precision"], world, threads_per_rank)
     # CPU seconds of all ranks: other processes on a shared machine stretch wall time, not this.
     cpu_seconds = sum(inst.get("cpu_seconds", 0.0) for r in result["ranks"] for inst in r["instructions"][warmup:])
-    core_peak = env.core_peaks.get(layout["precision"]) if env.device_kind == "cpu" else None
+    core_peak = env.core_peaks.get(layout["precision"]) if env.device_kind == HOST else None
     pp = layout["pp"]
     m = layout["micro_batches"]
     stage_peaks = [max(r["peak_bytes"] - r["baseline_bytes"] for r in result["ranks"] if r["stage"] == s)

@@ -34,6 +34,7 @@ import psutil
 import torch
 
 from launcher.config import RunConfig, load_config
+from parallel import accelerator
 
 # Layout keys → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
@@ -43,8 +44,7 @@ LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor
 
 
 def _on_cpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-    return get_accelerator().device_name() == "cpu"
+    return accelerator.on_host()
 
 
 def prime_process(cfg: RunConfig) -> None:
@@ -80,9 +80,7 @@ def reset_peak_memory() -> int:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: reset VmHWM to the current RSS
         return psutil.Process().memory_info().rss
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return torch.cuda.memory_allocated()
+    return accelerator.reset_peak_memory()
 
 
 def peak_memory() -> int:
@@ -92,7 +90,7 @@ def peak_memory() -> int:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
         raise RuntimeError("/proc/self/status has no VmHWM line")
-    return torch.cuda.max_memory_allocated()
+    return accelerator.peak_memory()
 
 
 def instrument(engine: object) -> dict[str, float]:
@@ -102,7 +100,7 @@ def instrument(engine: object) -> dict[str, float]:
     timed wrappers shadows the class table without changing what runs.
     """
     totals: dict[str, float] = defaultdict(float)
-    synchronize = (lambda: None) if _on_cpu() else torch.cuda.synchronize
+    synchronize = accelerator.synchronize
 
     def timed(name, handler):
         def run(self, *args, **kwargs):

@@ -22,6 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from launcher.config import RunConfig, to_dict  # noqa: E402
+from parallel import accelerator  # noqa: E402
 
 PREEMPTED_MARKER = "preempted.json"  # written by launcher/train.py (PREEMPTED_MARKER there)
 
@@ -93,7 +94,7 @@ def render_sbatch(spec: JobSpec) -> str:
     sb = [f"#SBATCH {option:<{width}}# {note}" if note else f"#SBATCH {option}" for option, note in options]
     if gpu:
         backend = """# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
-export DS_ACCELERATOR=cuda
+export DS_ACCELERATOR=""" + accelerator.GPU + """
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed rank aborts collectives instead of hanging them
 export NCCL_DEBUG=WARN
 # Site-specific, uncomment and set for this cluster's fabric:
@@ -102,7 +103,7 @@ export NCCL_DEBUG=WARN
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"""
     else:
         backend = """# CPUs: gloo over TCP. Each rank computes with its task's CPUs.
-export DS_ACCELERATOR=cpu
+export DS_ACCELERATOR=""" + accelerator.HOST + """
 # export GLOO_SOCKET_IFNAME=eth0           # site-specific: the interface gloo should use
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}"""
     # Since SLURM 22.05 srun no longer inherits --cpus-per-task from the job: pass it on.

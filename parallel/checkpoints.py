@@ -35,6 +35,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import EncoderDecoder, layer_plan
+from parallel.accelerator import HOST
 from parallel.pipeline import plain_state_dict
 
 CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
@@ -81,7 +82,7 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
 
 def _load(path: str) -> dict:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=HOST, weights_only=True)
     except Exception as e:  # unpickling refused or a truncated file
         raise CheckpointError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
 

@@ -12,6 +12,7 @@ import torch
 
 from launcher.config import RunConfig
 from model.config import ModelConfig
+from parallel.accelerator import HOST
 
 
 def free_port() -> int:
@@ -77,7 +78,7 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     accelerator = get_accelerator()
-    if accelerator.device_name() == "cpu":
+    if accelerator.device_name() == HOST:
         deepspeed.ops.__compatible_ops__ = {}
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
@@ -103,6 +104,9 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:
         "gradient_clipping": t.clip_norm,
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": p.precision == "bf16"},
+        # bf16 trains with BF16_Optimizer: fp32 master weights and fp32 accumulation of the
+        # micro-batch gradients (without it, ZeRO-1 would accumulate them in bf16).
+        "data_types": {"grad_accum_dtype": "fp32" if p.precision == "bf16" else None},
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": 16},
         "steps_per_print": 2**31,
         "wall_clock_breakdown": False,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
+from parallel.accelerator import HOST
 
 GIB = 2**30
 
@@ -52,6 +53,22 @@ DEVICES: dict[str, dict] = {
                   "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                   "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
+# Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
+# and communication (what step_time divides compute by). Per GPU type, measured where a GPU of
+# that type ran `./run.sh bench train` (launcher/bench_gpu.py: bf16, 4,096-target-token
+# micro-batches), one entry per model width measured; a model takes the entry of the nearest
+# width. The H100 figures are small because these shapes are host-bound there: the GPU waited
+# for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/profile-*.txt).
+# Other types keep the common assumption until measured. (d_model, efficiency, source)
+_ASSUMED = [(0, 0.35, "assumed (no measurement on this GPU type)")]
+_H100_BENCH = "docs/bench/gpu-h100/results.json"
+KERNEL_EFFICIENCY: dict[str, list[tuple[int, float, str]]] = {
+    "v100-32gb": _ASSUMED,
+    "a100-80gb": _ASSUMED,
+    "h100-80gb": [(64, 0.00041, f"measured: 100L-100L d=64, {_H100_BENCH}"),
+                  (512, 0.0224, f"measured: 18L-18L d=512, {_H100_BENCH}"),
+                  (1024, 0.119, f"measured: 12-layer slice of 100L-100L d=1024, {_H100_BENCH}")],
+}
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
 # The paper's models (DESIGN §1). This trainer ties source, target and output embeddings, so its
@@ -68,6 +85,26 @@ NAMED_MODELS: dict[str, dict] = {
     "base-6-6": {"encoder_layers": 6, "decoder_layers": 6, "d_model": 512, "heads": 8, "ffn_dim": 2048},
     "tiny-100-100": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 64, "heads": 2, "ffn_dim": 128},
 }
+
+
+def kernel_efficiency(key: str, d_model: int) -> tuple[float, str]:
+    """The default kernel efficiency for GPU type `key` and a model of width `d_model`, and the
+    measurement it comes from (the entry of the nearest measured width, on a log scale)."""
+    entries = KERNEL_EFFICIENCY[key]
+    _, value, source = min(entries, key=lambda e: abs(math.log2(max(e[0], 1) / d_model)) if e[0] else 0.0)
+    return value, source
+
+
+def device_key(gpu_name: str) -> str | None:
+    """The DEVICES key of a GPU as torch names it (e.g. 'NVIDIA H100 80GB HBM3'), None if unknown.
+    PCIe and NVL cards have other peaks than the SXM parts listed; they are not mapped."""
+    name = gpu_name.upper()
+    if "PCIE" in name or "NVL" in name:
+        return None
+    for key, marker in (("h100-80gb", "H100"), ("a100-80gb", "A100"), ("v100-32gb", "V100")):
+        if marker in name:
+            return key
+    return None
 
 
 def named_model(name: str, vocab_size: int = 0) -> ModelConfig:
@@ -89,21 +126,21 @@ class Device:
     inter_node_gbs: float
     gpus_per_node: int
     kind: str = "gpu"
-    """'cpu': dropout masks are float tensors (the fused bool-mask kernel is CUDA-only) and no
+    """HOST (the CPU): dropout masks are float tensors (the fused bool-mask kernel is CUDA-only) and no
     memory is reserved for a CUDA context."""
 
     def usable_bytes(self) -> float:
         """Memory a stage may plan for: 90% of the device (allocator fragmentation) minus 1.5 GiB
         for the CUDA context and NCCL's buffers on GPUs."""
-        reserve = 0.0 if self.kind == "cpu" else 1.5 * GIB
+        reserve = 0.0 if self.kind == HOST else 1.5 * GIB
         return 0.9 * self.memory_gib * GIB - reserve
 
 
 def cpu_device(peak_flops_per_rank: float, memory_bytes: float) -> Device:
     """This machine as the planner sees it when checking itself against CPU runs: one rank is
     one 'device' with its share of the cores; gloo over loopback and DRAM are a few GB/s."""
-    return Device(name="cpu", memory_gib=memory_bytes / GIB, peak_tflops={"fp32": peak_flops_per_rank / 1e12},
-                  hbm_gbs=20, intra_gbs=2, inter_node_gbs=2, gpus_per_node=10**6, kind="cpu")
+    return Device(name=HOST, memory_gib=memory_bytes / GIB, peak_tflops={"fp32": peak_flops_per_rank / 1e12},
+                  hbm_gbs=20, intra_gbs=2, inter_node_gbs=2, gpus_per_node=10**6, kind=HOST)
 
 
 def device(key: str, **overrides) -> Device:
@@ -249,10 +286,10 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
-    if layout.precision in ("fp16", "bf16") and dev.kind == "cpu":
+    if layout.precision in ("fp16", "bf16") and dev.kind == HOST:
         raise ValueError("the planner models fp16/bf16 for GPUs only")
     e = ELEMENT_BYTES[layout.precision]
-    mask = e if dev.kind == "cpu" else 1
+    mask = e if dev.kind == HOST else 1
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
     h_bytes = b * (s + t) * cfg.d_model * e  # one [B, S+T, d] tensor

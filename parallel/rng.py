@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from parallel.accelerator import HOST
+
 
 def seed_dropout(seed: int, stage: int, replica: int) -> None:
     torch.manual_seed(seed * 1_000_003 + stage * 10_007 + replica * 101 + 17)
@@ -32,8 +34,8 @@ def state() -> dict:
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    return {"cpu": torch.get_rng_state(),
-            "accelerator": None if accelerator.device_name() == "cpu" else accelerator.get_rng_state(),
+    return {HOST: torch.get_rng_state(),
+            "accelerator": None if accelerator.device_name() == HOST else accelerator.get_rng_state(),
             "tensor_parallel": _tracker().get_states()}
 
 
@@ -58,7 +60,7 @@ def load(checkpoint_dir: str, rank: int) -> bool:
     if not os.path.exists(target):
         return False
     saved = torch.load(target, weights_only=True)
-    torch.set_rng_state(saved["cpu"])
+    torch.set_rng_state(saved[HOST])
     if saved["accelerator"] is not None:
         get_accelerator().set_rng_state(saved["accelerator"])
     _tracker().set_states(saved["tensor_parallel"])

@@ -10,7 +10,8 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the accelerator to DeepSpeed
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # A small corpus from the bundled gettext catalogs: two languages, both directions.
 TINY_DATA = {"languages": ["de", "fr"], "vocab_size": 600, "max_tokens": 256,

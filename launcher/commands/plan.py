@@ -19,8 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", required=True, choices=sorted(DEVICES), help="GPU type")
     parser.add_argument("--nodes", type=int, help="nodes (default: GPUs / 8); GPUs per node = gpus / nodes")
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
-    parser.add_argument("--mfu", type=float, default=0.35,
-                        help="assumed fraction of peak the kernels reach, before bubble and communication (0.35)")
+    parser.add_argument("--mfu", type=float,
+                        help="fraction of peak the kernels reach, before bubble and communication (default: "
+                             "measured per GPU type and model width, parallel/planner.py KERNEL_EFFICIENCY)")
     parser.add_argument("--global-batch-tokens", type=int, default=2**20,
                         help="target tokens per optimizer step (default 1,048,576)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
@@ -127,9 +128,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--gpus must be >= 1")
     if args.tokens and args.flops:
         raise ConfigError("give --tokens or --flops, not both")
-    if not 0 < args.mfu <= 1:
+    if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu must be in (0, 1]")
     model = load_model(args.model)
+    from parallel.planner import kernel_efficiency
+
+    args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)
     overrides = {}
     if args.nodes:
         if args.gpus % args.nodes:
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     budget = ("tokens", args.tokens) if args.tokens else ("flops", args.flops) if args.flops else None
     title = (f"Projection for {args.model} ({params_of(model) / 1e9:.2f}B parameters, {per_token / 1e9:.1f} GFLOPs "
              f"per target token at {args.seq_len}+{args.seq_len} tokens) on {args.gpus} × {dev.name} "
-             f"({dev.gpus_per_node} per node), {precision}, assumed kernel MFU {args.mfu:.0%}, global batch "
+             f"({dev.gpus_per_node} per node), {precision}, kernel MFU {args.mfu:.1%} ({mfu_source}), global batch "
              f"{args.global_batch_tokens:,} target tokens.")
     out = [title, ""]
     if budget:

@@ -9,6 +9,7 @@ from launcher.config import ConfigError, load_config
 from launcher.preflight import check_device, check_resume, check_run_dir
 from launcher.procs import PREEMPTED_EXIT_CODE, die_with_parent_shell, supervise
 from launcher.runlock import RunDirBusy, RunLock
+from parallel import accelerator
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
 
@@ -23,11 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def gpu_count() -> int:
     """GPUs DeepSpeed would use here; 0 when run.sh chose the CPU accelerator (no GPU tooling)."""
-    if os.environ.get("DS_ACCELERATOR", "") == "cpu":
-        return 0
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return accelerator.gpu_count()
 
 
 def run(args: argparse.Namespace) -> int:

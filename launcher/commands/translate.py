@@ -16,6 +16,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from parallel import accelerator
+
 HELP = "translate text with a trained model (stdin → stdout or --input/--output files; --to LANG)"
 DEFAULT_MODEL = "runs/default"
 CHUNK_LINES = 2000  # lines decoded per call: bounds memory on long inputs, keeps batches full
@@ -72,7 +74,7 @@ class Translator:
     def __init__(self, loaded) -> None:
         from data.spm import Tokenizer
 
-        self.model = loaded.model.to("cuda" if on_gpu() else "cpu")  # the search follows the model
+        self.model = loaded.model.to(accelerator.device_type())  # the search follows the model
         self.meta = loaded.meta
         self.spm_sha256 = hashlib.sha256(loaded.spm_model).hexdigest()
         with tempfile.TemporaryDirectory() as tmp:  # SentencePiece reads the model into memory
@@ -122,9 +124,7 @@ def load_translator(source: str, tag: str | None = None) -> Translator:
 
 def on_gpu() -> bool:
     """Decode on a GPU when there is one and run.sh did not choose the CPU accelerator."""
-    import torch
-
-    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+    return accelerator.gpu_available()
 
 
 def threads() -> str:

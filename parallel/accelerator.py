@@ -1,0 +1,183 @@
+"""The one place that asks which accelerator this process runs on.
+
+Every other module names devices, backends and memory counters through these functions, so no
+source file outside this one spells a device type or a communication backend (tests/test_sources.py
+greps for them). The choice follows DeepSpeed's (`DS_ACCELERATOR`, else a visible CUDA device):
+run.sh sets `DS_ACCELERATOR=cpu` on machines without GPU tooling, the CPU test suite sets it too,
+and `./run.sh test-gpu` leaves it unset so the GPU is used.
+
+`HOST` is the processor memory that data loaders fill and checkpoints are mapped to before they
+move to the accelerator; on a CPU-only run it is also the accelerator. torch is imported inside
+the functions, so that importing the constants costs nothing (the CLI imports every command).
+"""
+from __future__ import annotations
+
+import os
+import typing
+
+if typing.TYPE_CHECKING:
+    import torch
+
+HOST = "cpu"
+"""The host device: data loaders, checkpoint loading (`map_location`), CPU-side RNG state."""
+GPU = "cuda"
+"""The GPU device type this trainer supports (NVIDIA, through torch.cuda and NCCL)."""
+_BACKENDS = {HOST: "gloo", GPU: "nccl"}
+
+
+def gpu_available() -> bool:
+    """A CUDA device is visible and the CPU accelerator was not chosen (DS_ACCELERATOR=cpu)."""
+    import torch
+
+    return os.environ.get("DS_ACCELERATOR", "") != HOST and torch.cuda.is_available()
+
+
+def why_no_gpu() -> str:
+    """One line saying why no GPU is used here ('' when one is)."""
+    import torch
+
+    if os.environ.get("DS_ACCELERATOR", "") == HOST:
+        return "DS_ACCELERATOR=cpu (the CPU suite forces it; ./run.sh test-gpu runs on the GPU)"
+    if not torch.cuda.is_available():
+        return f"no CUDA device (torch {torch.__version__}, torch.cuda.is_available() is False)"
+    return ""
+
+
+def device_type() -> str:
+    """'cuda' on a GPU, else 'cpu' (the device type of tensors the engine trains on)."""
+    return GPU if gpu_available() else HOST
+
+
+def on_host() -> bool:
+    return device_type() == HOST
+
+
+def backend() -> str:
+    """torch.distributed backend for the accelerator (gloo on CPU, nccl on GPUs)."""
+    return _BACKENDS[device_type()]
+
+
+def device(index: int | None = None) -> torch.device:
+    """This process's device: the current (or `index`-th) GPU, or the host."""
+    import torch
+
+    if on_host():
+        return torch.device(HOST)
+    return torch.device(GPU, torch.cuda.current_device() if index is None else index)
+
+
+def gpu_count() -> int:
+    """GPUs this process may use (0 when the CPU accelerator was chosen)."""
+    import torch
+
+    return torch.cuda.device_count() if gpu_available() else 0
+
+
+def gpu_name(index: int = 0) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(index)
+
+
+def gpu_memory_bytes(index: int = 0) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def set_device(index: int) -> None:
+    import torch
+
+    if not on_host():
+        torch.cuda.set_device(index)
+
+
+def synchronize() -> None:
+    """Wait for queued device work (a no-op on the host, where work is synchronous)."""
+    import torch
+
+    if not on_host():
+        torch.cuda.synchronize()
+
+
+def empty_cache() -> None:
+    import torch
+
+    if not on_host():
+        torch.cuda.empty_cache()
+
+
+def reset_peak_memory() -> int:
+    """Restart the allocator's high-water mark; returns the bytes allocated now (GPU only)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def peak_memory() -> int:
+    """The allocator's high-water mark since the last reset, in bytes (GPU only)."""
+    import torch
+
+    return torch.cuda.max_memory_allocated()
+
+
+def memory_allocated() -> int:
+    import torch
+
+    return torch.cuda.memory_allocated()
+
+
+def rng_state() -> torch.Tensor | None:
+    """The accelerator's RNG state (None on the host, whose state torch.get_rng_state() holds)."""
+    import torch
+
+    return None if on_host() else torch.cuda.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor | None) -> None:
+    import torch
+
+    if state is not None and not on_host():
+        torch.cuda.set_rng_state(state)
+
+
+def supports(precision: str) -> bool:
+    """Whether the accelerator trains in `precision` (fp32 | bf16 | fp16); DeepSpeed's own answer."""
+    import torch
+
+    from deepspeed.accelerator import get_accelerator
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return dtype in get_accelerator().supported_dtypes()
+
+
+def versions() -> dict[str, str]:
+    """Versions that numbers measured on this machine depend on."""
+    import torch
+
+    import platform
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("deepspeed", "megatron.core"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            out[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            out[name] = "not installed"
+    if gpu_available():
+        out["cuda_runtime"] = str(torch.version.cuda)
+        out["gpu"] = gpu_name()
+        out["driver"] = _driver_version()
+    return out
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml  # nvidia-ml-py, shipped with CUDA builds of torch's dependencies
+
+        pynvml.nvmlInit()
+        return pynvml.nvmlSystemGetDriverVersion()
+    except Exception:  # noqa: BLE001 - the driver version is informative only
+        return "?"
