@@ -29,7 +29,7 @@ from launcher import metrics, procs  # noqa: E402
 from launcher.config import ConfigError, RunConfig, load_config, to_dict, validate_fault_tolerance  # noqa: E402
 from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
-from parallel import manifest, rng  # noqa: E402
+from parallel import accelerator, manifest, rng  # noqa: E402
 
 
 def log0(*args) -> None:
@@ -438,7 +438,8 @@ def _comm_failure(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset",
-                                                                   "Timed out", "timed out", "NCCL", "gloo"))
+                                                                   "Timed out", "timed out",
+                                                                   *accelerator.backend_error_words()))
 
 
 def main(argv: list[str] | None = None) -> None:

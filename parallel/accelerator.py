@@ -57,6 +57,11 @@ def backend() -> str:
     return _BACKENDS[device_type()]
 
 
+def backend_error_words() -> tuple[str, ...]:
+    """How every backend names itself in its error messages (NCCL's in capitals)."""
+    return tuple(word for b in _BACKENDS.values() for word in (b, b.upper()))
+
+
 def device(index: int | None = None) -> torch.device:
     """This process's device: the current (or `index`-th) GPU, or the host."""
     import torch
