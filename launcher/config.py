@@ -39,6 +39,10 @@ class ParallelConfig:
     partition_method: str = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
+    the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
+    idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
 
 
 @dataclass(kw_only=True)
@@ -227,6 +231,18 @@ def validate(cfg: RunConfig, where: str) -> None:
                           "use zero_stage: 1")
     if p.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"{where}: parallel.precision={p.precision!r}: use fp32, bf16 or fp16")
+    if p.schedule not in ("1f1b", "zb-h1"):
+        raise ConfigError(f"{where}: parallel.schedule={p.schedule!r}: use 1f1b or zb-h1")
+    if p.schedule == "zb-h1" and p.tensor_parallel > 1:
+        raise ConfigError(f"{where}: parallel.schedule=zb-h1 does not split megatron-core's tensor-parallel "
+                          "linears yet; use tensor_parallel: 1 or schedule: 1f1b")
+    if p.schedule == "zb-h1" and p.precision != "fp32":
+        raise ConfigError(f"{where}: parallel.schedule=zb-h1 supports precision fp32 only (DeepSpeed's bf16/fp16 "
+                          "optimizers copy gradients right after each backward); use fp32 or schedule: 1f1b")
+    if p.schedule == "zb-h1" and t.instrument_interval > 0:
+        raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
+                          "accumulation hooks, which zb-h1's deferred weight gradients bypass; set it to 0 "
+                          "or use parallel.schedule: 1f1b")
     if p.activation_checkpoint_interval < 0:
         raise ConfigError(f"{where}: parallel.activation_checkpoint_interval must be >= 0")
     if t.instrument_interval < 0:
