@@ -35,6 +35,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from model.layers import SharedEmbedding
+from parallel.zb_timeline import simulate
 
 
 # ---------------------------------------------------------------- deferred weight gradients
@@ -219,68 +220,6 @@ class WeightPass(ds_schedule.BufferOpInstruction):
     """Compute the deferred weight gradients of the micro-batch in `buffer_id` into `.grad`."""
 
 
-def zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
-    """Compute order of one stage: ('F'|'B'|'W', micro-batch).
-
-    1F1B's order of F and B (stage s runs min(p − 1 − s, m) forwards first, then alternates), with
-    the W of micro-batch j placed right after the B of micro-batch j + s: the last stage, whose
-    1F1B activations are fewest (1 micro-batch), holds the most pending W (p − 1), the first stage
-    none. So every stage holds at most p micro-batches between F and W, 1F1B's first-stage peak,
-    and the W left over at the end fill the cooldown where 1F1B idles.
-    """
-    p, m, s = stages, micro_batches, stage
-    warmup = min(p - 1 - s, m)
-    order = [("F", k) for k in range(warmup)]
-    forwards, weights = warmup, 0
-    for b in range(m):
-        if forwards < m:
-            order.append(("F", forwards))
-            forwards += 1
-        order.append(("B", b))
-        if b >= s:
-            order.append(("W", weights))
-            weights += 1
-    order += [("W", k) for k in range(weights, m)]
-    return order
-
-
-def simulate(stages: int, micro_batches: int, cost: dict[str, float] | None = None,
-             order: Callable[[int, int, int], list[tuple[str, int]]] = zb_h1_order) -> list[list[tuple]]:
-    """Start and end time of every op of every stage when each op starts as soon as its stage is
-    free and its input has arrived (communication free). Returns per stage [(start, end, kind, j)].
-    'BW' (an unsplit backward) may appear in orders of other schedules."""
-    cost = cost or {"F": 1.0, "B": 1.0, "W": 1.0, "BW": 2.0}
-    p = stages
-    orders = [order(p, micro_batches, s) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    position, free = [0] * p, [0.0] * p
-    timeline: list[list[tuple]] = [[] for _ in range(p)]
-    progress = True
-    while progress:
-        progress = False
-        for s in range(p):
-            while position[s] < len(orders[s]):
-                kind, j = orders[s][position[s]]
-                if kind == "F":
-                    dep = ("F", s - 1, j) if s > 0 else None
-                elif kind in ("B", "BW"):
-                    dep = ("B", s + 1, j) if s < p - 1 else ("F", s, j)
-                else:
-                    dep = ("B", s, j)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[s], done[dep] if dep else 0.0)
-                end = start + cost[kind]
-                done[("B" if kind == "BW" else kind, s, j)] = end
-                free[s] = end
-                timeline[s].append((start, end, kind, j))
-                position[s] += 1
-                progress = True
-    if any(position[s] < len(orders[s]) for s in range(p)):
-        raise RuntimeError(f"pipeline order deadlocks at pp={p}, m={micro_batches}")
-    return timeline
-
-
 def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list[ds_schedule.PipeInstruction]]:
     """DeepSpeed instructions of one stage for one training step of ZB-H1.
 
@@ -317,28 +256,6 @@ def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list
     steps = [cmds for _, cmds in events]
     steps.append([ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()])
     return steps
-
-
-def bubble_fraction(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
-    """Idle fraction of the busiest-to-finish stage's step (1 − work / makespan) for op costs
-    `cost` (F, B = input gradient, W = weight gradient), from the simulated timeline."""
-    if schedule == "1f1b":
-        def order(p, m, s):
-            warmup = min(p - 1 - s, m)
-            out = [("F", k) for k in range(warmup)]
-            for b in range(m):
-                if warmup + b < m:
-                    out.append(("F", warmup + b))
-                out.append(("BW", b))
-            return out
-        cost = {**cost, "BW": cost["B"] + cost["W"]}
-    else:
-        order = zb_h1_order
-        cost = {**cost, "BW": cost["B"] + cost["W"]}
-    timeline = simulate(stages, micro_batches, cost, order)
-    makespan = max(ops[-1][1] for ops in timeline)
-    work = micro_batches * (cost["F"] + cost["B"] + cost["W"])
-    return 1.0 - work / makespan
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):

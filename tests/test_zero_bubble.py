@@ -9,8 +9,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from model.config import ModelConfig
 from model.layers import source_mask
 from model.transformer import build_layer
-from parallel.zero_bubble import (WeightGradStore, WeightPass, bubble_fraction, simulate, split_weight_gradients,
-                                  stage_instructions, zb_h1_order)
+from parallel.zb_timeline import bubble_fraction, simulate, zb_h1_order
+from parallel.zero_bubble import WeightGradStore, WeightPass, split_weight_gradients, stage_instructions
 
 
 def _cfg(norm: str) -> ModelConfig:
