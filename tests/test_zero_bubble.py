@@ -161,3 +161,21 @@ def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
     unit = {"F": 1.0, "B": 1.0, "W": 1.0}
     assert bubble_fraction(p, m, unit) == pytest.approx((p - 1) / (3 * m + p - 1))
     assert bubble_fraction(p, m, unit, "1f1b") == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_planner_models_zb_h1_bubble_and_memory():
+    from parallel.planner import Layout, device, stage_kinds, stage_memory, step_time, weight_grad_bytes
+
+    cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
+    dev = device("a100-80gb")
+    base = Layout(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
+    zb = Layout(**{**base.__dict__, "schedule": "zb-h1"})
+    t1, tz = step_time(cfg, base, dev, 0.4), step_time(cfg, zb, dev, 0.4)
+    assert t1["bubble_fraction"] == pytest.approx(3 / 11)
+    assert tz["bubble_fraction"] < t1["bubble_fraction"] / 2 and tz["total"] < t1["total"]
+    # work is the same; only the idle time shrinks
+    assert tz["total"] - tz["bubble"] == pytest.approx(t1["total"] - t1["bubble"], rel=1e-9)
+    for stage in range(4):
+        extra = stage_memory(cfg, zb, stage, dev)["activations"] - stage_memory(cfg, base, stage, dev)["activations"]
+        held = sum(weight_grad_bytes(cfg, k, 8, 64, 64, 2) for k in stage_kinds(cfg, 4)[stage])
+        assert extra == pytest.approx((stage + 1) * held)  # s pending W + the one between B and W
