@@ -233,9 +233,6 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: parallel.precision={p.precision!r}: use fp32, bf16 or fp16")
     if p.schedule not in ("1f1b", "zb-h1"):
         raise ConfigError(f"{where}: parallel.schedule={p.schedule!r}: use 1f1b or zb-h1")
-    if p.schedule == "zb-h1" and p.tensor_parallel > 1:
-        raise ConfigError(f"{where}: parallel.schedule=zb-h1 does not split megatron-core's tensor-parallel "
-                          "linears yet; use tensor_parallel: 1 or schedule: 1f1b")
     if p.schedule == "zb-h1" and p.precision != "fp32":
         raise ConfigError(f"{where}: parallel.schedule=zb-h1 supports precision fp32 only (DeepSpeed's bf16/fp16 "
                           "optimizers copy gradients right after each backward); use fp32 or schedule: 1f1b")

@@ -35,6 +35,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from model.layers import SharedEmbedding
+from parallel.tensor import TensorParallelLayerNorm, VocabParallelSharedEmbedding
 from parallel.zb_timeline import simulate
 
 
@@ -164,6 +165,44 @@ class _SplitEmbedding(torch.autograd.Function):
         return None, None, None, None
 
 
+class _SplitAffine(torch.autograd.Function):
+    """y = x·w + b over the last dimension (TensorParallelLayerNorm's affine); W: dw = Σ g·x, db = Σ g."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store
+        return x * weight + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        dims = tuple(range(g.dim() - 1))
+
+        def weight_grad() -> None:
+            _accumulate(weight, (g * x).sum(dims))
+            _accumulate(bias, g.sum(dims))
+
+        ctx.store.defer(weight_grad)
+        return g * weight, None, None, None
+
+
+class _SplitBias(torch.autograd.Function):
+    """y = x + b (the bias a row-parallel linear adds after its all-reduce); W: db = Σ g."""
+
+    @staticmethod
+    def forward(ctx, x, bias, store):
+        ctx.bias, ctx.store = bias, store
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        bias = ctx.bias
+        ctx.store.defer(lambda: _accumulate(bias, g.sum(tuple(range(g.dim() - 1)))))
+        return g, None, None
+
+
 def _linear_forward(module: nn.Linear, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
     return _SplitLinear.apply(x, module.weight, module.bias, store)
 
@@ -188,6 +227,63 @@ def _logits(module: SharedEmbedding, store: WeightGradStore, h: torch.Tensor) ->
     return _SplitLinear.apply(h, module.weight, None, store)
 
 
+# megatron-core's tensor-parallel layers as parallel/tensor.py builds them: the same collectives
+# around the same local matmuls as megatron's forward, with the matmuls split.
+
+def _column_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
+    """ColumnParallelLinear: input copied to the region (all-reduce of dx in backward)."""
+    from parallel.tensor import megatron
+
+    x = megatron()[1].copy_to_tensor_model_parallel_region(x, group=module.tp_group)
+    return _SplitLinear.apply(x, module.weight, module.bias, store)
+
+
+def _row_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
+    """RowParallelLinear (input already split): local matmul, all-reduce, then the bias."""
+    from parallel.tensor import megatron
+
+    y = megatron()[1].reduce_from_tensor_model_parallel_region(
+        _SplitLinear.apply(x, module.weight, None, store), group=module.tp_group)
+    return y if module.bias is None else _SplitBias.apply(y, module.bias, store)
+
+
+def _vocab_parallel_forward(module: nn.Module, store: WeightGradStore, tokens: torch.Tensor,
+                            offset: int = 0) -> torch.Tensor:
+    """VocabParallelSharedEmbedding.forward with megatron's masked local lookup split."""
+    from parallel.tensor import megatron
+
+    length = tokens.size(1)
+    if offset + length > module.positions.size(0):
+        raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
+                         f"{module.positions.size(0)}")
+    lookup = module.lookup
+    outside = (tokens < lookup.vocab_start_index) | (tokens >= lookup.vocab_end_index)
+    local = tokens.clone() - lookup.vocab_start_index
+    local[outside] = 0
+    rows = _SplitEmbedding.apply(local, module.weight, None, store)
+    rows[outside, :] = 0.0
+    x = megatron()[1].reduce_from_tensor_model_parallel_region(rows, group=lookup.tp_group)
+    x = module.scale * x + module.positions[offset:offset + length]
+    return module.dropout(x)
+
+
+def _vocab_parallel_logits(module: nn.Module, store: WeightGradStore, h: torch.Tensor) -> torch.Tensor:
+    from parallel.tensor import megatron
+
+    h = megatron()[1].copy_to_tensor_model_parallel_region(h, group=module.tp_group)
+    return _SplitLinear.apply(h, module.weight, None, store)
+
+
+def _tp_layer_norm_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
+    """TensorParallelLayerNorm.forward with its affine split."""
+    from torch.distributed.nn.functional import all_reduce
+
+    mean = all_reduce(x.sum(dim=-1, keepdim=True), group=module.group) / module.full_dim
+    centred = x - mean
+    var = all_reduce((centred * centred).sum(dim=-1, keepdim=True), group=module.group) / module.full_dim
+    return _SplitAffine.apply(centred * torch.rsqrt(var + module.eps), module.weight, module.bias, store)
+
+
 def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
     """Give every weight-bearing module under `module` a forward whose backward defers W to
     `store`; returns how many modules were split. Raises if a trainable parameter is left that
@@ -202,6 +298,15 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
         elif type(sub) is SharedEmbedding:
             sub.forward = functools.partial(_embedding_forward, sub, store)
             sub.logits = functools.partial(_logits, sub, store)
+        elif type(sub) is VocabParallelSharedEmbedding:
+            sub.forward = functools.partial(_vocab_parallel_forward, sub, store)
+            sub.logits = functools.partial(_vocab_parallel_logits, sub, store)
+        elif type(sub) is TensorParallelLayerNorm:
+            sub.forward = functools.partial(_tp_layer_norm_forward, sub, store)
+        elif "ColumnParallelLinear" in (bases := {c.__name__ for c in type(sub).__mro__}):
+            sub.forward = functools.partial(_column_forward, sub, store)
+        elif "RowParallelLinear" in bases:
+            sub.forward = functools.partial(_row_forward, sub, store)
         else:
             continue
         covered.update(id(p) for p in sub.parameters(recurse=False))

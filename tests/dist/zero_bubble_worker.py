@@ -7,7 +7,7 @@ zb_drop, 1f1b_drop: dropout 0.1 everywhere and checkpointing every layer, under 
                  (dropout draws from each rank's stream in forward order, which both schedules
                  share, so the two must agree; the single process draws other masks).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
-writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.pt.
+writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     result["engine"] = type(trainer.engine).__name__
     if trainer.dp_rank == 0:
         state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
-        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.engine.stage_id}.pt")
+        tp_rank = trainer.engine.grid.get_slice_parallel_rank()
+        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.engine.stage_id}.tp{tp_rank}.pt")
     return result
 
 
