@@ -410,7 +410,11 @@ class ZeroBubbleEngine(PipelineEngine):
             self.loss = self._losses.pop(buffer_id)
         else:
             self.grad_layer = self._received_grads.pop(buffer_id)
-        with self.weight_grads.collect(buffer_id):
+        # The first stage sends no gradient, and its W follows its B at once in ZB-H1: deferring
+        # would gain nothing and hold every layer's W tensors at the same time, so its backward
+        # computes W inline (layer by layer, as 1F1B does).
+        deferring = self.weight_grads.collect(buffer_id) if not self.is_first_stage() else contextlib.nullcontext()
+        with deferring:
             PipelineEngine._exec_backward_pass(self, buffer_id)
 
     def _exec_weight_pass(self, buffer_id):

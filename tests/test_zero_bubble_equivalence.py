@@ -19,7 +19,7 @@ from tests.conftest import launch, write_run_config
 from tests.reference import reference_run
 
 STEPS, LR = 3, 0.001
-SCENARIOS = {(2, 1): "zb,zb_ac,zb_drop,1f1b_drop", (3, 1): "zb,zb_drop,1f1b_drop", (2, 2): "zb"}
+SCENARIOS = {(2, 1): "zb,zb_ac,zb_drop,1f1b_drop", (3, 1): "zb,zb_drop,1f1b_drop", (2, 2): "zb,zb_subln"}
 
 
 def _params(out: str, name: str) -> dict[str, torch.Tensor]:
@@ -45,10 +45,13 @@ def zb_run(request, tiny_data, tmp_path_factory):
     with open(out) as f:
         result = json.load(f)
     params = {name: _params(out, name) for name in result}
-    return pp, result, params, reference_run(load_config(config), STEPS)
+    refs = {"deepnorm": reference_run(load_config(config), STEPS)}
+    if "zb_subln" in result:
+        refs["subln"] = reference_run(load_config(config, {"model": {"norm": "subln"}}), STEPS)
+    return pp, result, params, refs
 
 
-def _close_params(got: dict, want: dict) -> None:
+def _close_params(got: dict, want: dict, atol: float = 1e-6) -> None:
     assert set(got) == set(want) and got
     for name, value in want.items():
         if name.endswith("k_proj.bias"):
@@ -56,7 +59,7 @@ def _close_params(got: dict, want: dict) -> None:
             # that Adam turns into ±lr steps; bound it by the largest move Adam can make.
             assert (got[name] - value).abs().max() <= 2 * LR * STEPS
             continue
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=atol, msg=name)
 
 
 def test_zb_h1_runs_on_the_zero_bubble_engine_with_changing_shapes(zb_run):
@@ -67,11 +70,12 @@ def test_zb_h1_runs_on_the_zero_bubble_engine_with_changing_shapes(zb_run):
     assert any(len({tuple(x[0]) for x in step}) > 1 for step in shapes)  # within one step
 
 
-@pytest.mark.parametrize("scenario", ["zb", "zb_ac"])
+@pytest.mark.parametrize("scenario", ["zb", "zb_ac", "zb_subln"])
 def test_zb_h1_losses_and_clipped_norms_equal_single_process(zb_run, scenario):
-    _, result, _, ref = zb_run
+    _, result, _, refs = zb_run
     if scenario not in result:
-        pytest.skip(f"{scenario} runs at pp=2, tp=1 only")
+        pytest.skip(f"{scenario} is not run in this layout")
+    ref = refs["subln" if scenario == "zb_subln" else "deepnorm"]
     got = result[scenario]
     assert len(got["loss"]) == STEPS
     for step in range(STEPS):
@@ -82,12 +86,18 @@ def test_zb_h1_losses_and_clipped_norms_equal_single_process(zb_run, scenario):
 
 
 def test_zb_h1_parameters_equal_single_process(zb_run):
-    _, _, params, ref = zb_run
-    _close_params(params["zb"], ref["params"])
+    _, _, params, refs = zb_run
+    _close_params(params["zb"], refs["deepnorm"]["params"])
+    if "zb_subln" in params:
+        # Adam divides each gradient element by its own size, so elements whose gradient is near
+        # zero turn rounding noise into parameter differences (1.6e-6 seen on a Sub-LN fc2 bias
+        # whose losses and norms agreed to 1e-7): bounded by 1% of one step of lr.
+        _close_params(params["zb_subln"], refs["subln"]["params"], atol=0.01 * LR)
 
 
 def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
-    _, result, params, ref = zb_run
+    _, result, params, refs = zb_run
+    ref = refs["deepnorm"]
     if "zb_drop" not in result:
         pytest.skip("dropout is compared at tp=1")
     assert result["1f1b_drop"]["engine"] == "PipelineEngine"

@@ -6,6 +6,7 @@ zb_ac:           ZB-H1 with activation checkpointing every layer.
 zb_drop, 1f1b_drop: dropout 0.1 everywhere and checkpointing every layer, under each schedule
                  (dropout draws from each rank's stream in forward order, which both schedules
                  share, so the two must agree; the single process draws other masks).
+zb_subln:        ZB-H1 with Sub-LN (LayerNorms inside attention and FFN: sharded under TP).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
 writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
@@ -57,8 +58,10 @@ def main() -> None:
     drop = copy.deepcopy(cfg)
     drop.model.dropout = drop.model.attention_dropout = drop.model.activation_dropout = 0.1
     drop.parallel.activation_checkpoint_interval = 1
+    subln = copy.deepcopy(cfg)
+    subln.model.norm = "subln"
     scenarios = {"zb": (cfg, "zb-h1", 0), "1f1b": (cfg, "1f1b", 0), "zb_ac": (cfg, "zb-h1", 1),
-                 "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1)}
+                 "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0)}
     results = {}
     for name in args.scenarios.split(","):
         base, schedule, interval = scenarios[name]
