@@ -416,6 +416,14 @@ class ZeroBubbleEngine(PipelineEngine):
         deferring = self.weight_grads.collect(buffer_id) if not self.is_first_stage() else contextlib.nullcontext()
         with deferring:
             PipelineEngine._exec_backward_pass(self, buffer_id)
+        # DeepSpeed frees these when a buffer slot is reused (1F1B has 2 slots); here every
+        # micro-batch has its own slot, so the last stage's logits and the first stage's tokens
+        # are dropped now.
+        if self.is_last_stage():
+            self.pipe_buffers["outputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_weight_pass(self, buffer_id):
         self.weight_grads.run(buffer_id)
