@@ -49,14 +49,18 @@ def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple
 ORDERS: dict[str, Order] = {"1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
 
 
-def simulate(stages: int, micro_batches: int, cost: dict[str, float] | None = None,
+def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
              order: Order = zb_h1_order) -> list[list[tuple[float, float, str, int]]]:
     """Start and end of every op of every stage when an op starts as soon as its stage is free
     and its input has arrived (transfers free): per stage [(start, end, kind, micro-batch)].
-    `cost` gives F, B, W (BW defaults to B + W); unit costs by default. O(p·m)."""
-    cost = {"F": 1.0, "B": 1.0, "W": 1.0, **(cost or {})}
-    cost.setdefault("BW", cost["B"] + cost["W"])
+    `cost` gives F, B, W (BW defaults to B + W), for all stages or one dict per stage; unit
+    costs by default. O(p·m)."""
     p = stages
+    costs = []
+    for c in (cost if isinstance(cost, list) else [cost] * p):
+        c = {"F": 1.0, "B": 1.0, "W": 1.0, **(c or {})}
+        c.setdefault("BW", c["B"] + c["W"])
+        costs.append(c)
     orders = [order(p, micro_batches, s) for s in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], int] = {}
@@ -77,7 +81,7 @@ def simulate(stages: int, micro_batches: int, cost: dict[str, float] | None = No
                 waiting[dep] = s
                 break
             start = max(free[s], done[dep] if dep else 0.0)
-            end = start + cost[kind]
+            end = start + costs[s][kind]
             key = ("B" if kind == "BW" else kind, s, j)
             done[key] = end
             free[s] = end
