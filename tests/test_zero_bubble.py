@@ -180,3 +180,21 @@ def test_planner_models_zb_h1_bubble_and_memory():
         held = sum(weight_grad_bytes(cfg, k, 8, 64, 64, 2) for k in stage_kinds(cfg, 4)[stage])
         # s pending W + the one between B and W; the first stage computes W inside its backward
         assert extra == pytest.approx((stage + 1) * held if stage else 0.0)
+
+
+@pytest.mark.parametrize("parallel,train,message", [
+    ({"schedule": "zb"}, {}, "parallel.schedule='zb': use 1f1b or zb-h1"),
+    ({"schedule": "zb-h1", "precision": "bf16"}, {}, "zb-h1 supports precision fp32 only"),
+    ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
+])
+def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, message):
+    import yaml
+
+    from launcher.config import ConfigError, load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, **parallel}, "train": train}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+    path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, "tensor_parallel": 2, "schedule": "zb-h1"}}))
+    assert load_config(str(path)).parallel.schedule == "zb-h1"
