@@ -6,8 +6,9 @@ Definitions (the README repeats them):
   MFU, HFU          model FLOP/s (resp. hardware FLOP/s: padded shapes + recomputation) / peak
                     of all devices used (GPU: datasheet × GPUs; CPU: matmul probe of the cores
                     the ranks use, ranks × OMP threads)
-  bubble measured   per rank: 1 − (forward + backward time) / (step time − gradient reduction −
-                    optimizer step), averaged over ranks and measured steps; theory (p−1)/(m+p−1)
+  bubble measured   per rank: 1 − (forward + backward (+ ZB-H1's weight-gradient) time) / (step
+                    time − gradient reduction − optimizer step), averaged over ranks and measured
+                    steps; theory (p−1)/(m+p−1), ZB-H1 (p−1)/(3m+p−1)
   MFU by CPU time   CPU only: model FLOPs / (CPU seconds of all ranks × one-core peak); other
                     processes on a shared machine stretch wall time but not CPU time (threads
                     that spin-wait do count, so this is a lower bound on kernel efficiency)
@@ -122,7 +123,7 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
     """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
     return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                   sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                  precision=layout["precision"])
+                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"))
 
 
 def measured_bubble(result: dict, warmup: int) -> float:
@@ -130,10 +131,18 @@ def measured_bubble(result: dict, warmup: int) -> float:
     for rank in result["ranks"]:
         for inst in rank["instructions"][warmup:]:
             phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
-            busy = inst.get("ForwardPass", 0.0) + inst.get("BackwardPass", 0.0)
+            busy = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
             if phase > 0:
                 values.append(1.0 - busy / phase)
     return statistics.fmean(values)
+
+
+def bubble_theory(layout: dict) -> float:
+    """1F1B: (p−1)/(m+p−1); ZB-H1 with F, B and W of equal cost: (p−1)/(3m+p−1)."""
+    pp, m = layout["pp"], layout["micro_batches"]
+    if layout.get("schedule", "1f1b") == "zb-h1":
+        return (pp - 1) / (3 * m + pp - 1)
+    return (pp - 1) / (m + pp - 1)
 
 
 CPU_ASSUMED_MFU = 0.5
@@ -188,7 +197,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
         "mfu": utilization(model_flops, total_time, peak) if peak else None,
         "hfu": utilization(hw_flops, total_time, peak) if peak else None,
         "mfu_cpu_time": model_flops / cpu_seconds / core_peak if core_peak and cpu_seconds else None,
-        "bubble_measured": measured_bubble(result, warmup), "bubble_theory": (pp - 1) / (m + pp - 1),
+        "bubble_measured": measured_bubble(result, warmup), "bubble_theory": bubble_theory(layout),
         "stage_peak_mb": [p / MB for p in stage_peaks],
         "stage_predicted_mb": [p / MB for p in predicted] if predicted else None,
         "planner_step_s": predicted_step(model, layout, shape, env, threads_per_rank),

@@ -40,7 +40,8 @@ from parallel import accelerator
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "zero": ("parallel", "zero_stage"),
-               "max_tokens": ("data", "max_tokens"), "micro_batches": ("train", "micro_batches")}
+               "max_tokens": ("data", "max_tokens"), "micro_batches": ("train", "micro_batches"),
+               "schedule": ("parallel", "schedule")}
 
 
 def _on_cpu() -> bool:

@@ -61,6 +61,10 @@ class ParallelConfig:
     partition_method: PartitionMethod = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
+    the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
+    idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
 
 
 @dataclass(kw_only=True)
@@ -370,6 +374,13 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1 and "
                           "train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
                           "use zero_stage: 1")
+    if p.schedule == "zb-h1" and p.precision != "fp32":
+        raise ConfigError(f"{where}: parallel.schedule=zb-h1 supports precision fp32 only (DeepSpeed's bf16/fp16 "
+                          "optimizers copy gradients right after each backward); use fp32 or schedule: 1f1b")
+    if p.schedule == "zb-h1" and t.instrument_interval > 0:
+        raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
+                          "accumulation hooks, which zb-h1's deferred weight gradients bypass; set it to 0 "
+                          "or use parallel.schedule: 1f1b")
     n_layers = m.encoder_layers + m.decoder_layers + 2
     if p.pipeline_stages > n_layers:
         raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the "

@@ -164,6 +164,10 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = 
     optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps,
                                   weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=deepspeed_config(cfg, load_universal))
+    if p.schedule == "zb-h1":  # DeepSpeed's engine subclassed for the zero-bubble schedule
+        from parallel.zero_bubble import initialize
+        engine = initialize(module, optimizer, scheduler, deepspeed_config(cfg, load_universal))
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config(cfg, load_universal))
     return engine, module

@@ -24,6 +24,9 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
 Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
 per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the point-to-point send),
 then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
+ZB-H1 (`Layout.schedule`): the slot splits into F, B (input gradient) and W (weight gradients),
+and the pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors each stage
+holds (`weight_grad_bytes`: stage s > 0 keeps s micro-batches' worth, plus the one between B and W).
 """
 from __future__ import annotations
 
@@ -162,6 +165,8 @@ class Layout:
     checkpoint: int = 0
     """Activation checkpoint interval in layers (0 = off)."""
     precision: str = "bf16"
+    schedule: str = "1f1b"
+    """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
 
     @property
     def world(self) -> int:
@@ -281,6 +286,29 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
 
 
+def weight_grad_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int, tgt_len: int,
+                      element: int) -> float:
+    """Bytes ZB-H1 keeps per plan layer and micro-batch between its B and its W: each linear's
+    input and output gradient, each LayerNorm's input, output gradient and statistics.
+
+    Encoder layer, per source token: inputs 5d + f (attention input, shared by Q, K, V; output
+    projection; FFN fc1, fc2; two LayerNorms), gradients 7d + f. Decoder layer, per target token
+    inputs 8d + f and gradients 10d + f; per source token the cross-attention K/V input and their
+    two gradients (3d). The output layer keeps h and the gradient of the logits (V per token).
+    """
+    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
+    ns, nt = sequences * src_len, sequences * tgt_len
+    if kind == "encoder":
+        return ns * (element * (12 * d + 2 * f) + 16)
+    if kind == "decoder":
+        return nt * (element * (18 * d + 2 * f) + 24) + ns * element * 3 * d
+    if kind == "embed":
+        return (ns + nt) * (element * d + 8)
+    if kind == "output":
+        return nt * element * (d + v)
+    return (ns if kind == "encoder_norm" else nt) * (element * 2 * d + 8)
+
+
 def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> dict[str, float]:
     """Peak bytes of one stage, by component, at whichever moment is larger (see module doc)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
@@ -310,6 +338,14 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
         per_mb = sum(layered) + other
         transient = max(scratch, loss_scratch)
     activations = in_flight * per_mb
+    if layout.schedule == "zb-h1" and stage > 0:
+        # ZB-H1 runs W of micro-batch j after B of j + stage: `stage` micro-batches wait for their
+        # W (the last stage holds p − 1 of them), and the one just through B holds its W
+        # tensors until its W runs. With checkpointing these are recomputed tensors. The first
+        # stage computes W inside its backward (parallel/zero_bubble.py), as 1F1B does.
+        held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
+        activations += min(stage, layout.micro_batches) * held
+        transient += held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -363,6 +399,10 @@ def step_time(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> dict
     slot = compute + tp_comm + p2p
     pipeline = (layout.micro_batches + layout.pp - 1) * slot
     bubble = (layout.pp - 1) * slot
+    bubble_fraction = (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)
+    if layout.schedule == "zb-h1":
+        pipeline, bubble_fraction = _zb_h1_pipeline(cfg, layout, compute, tp_comm, p2p)
+        bubble = bubble_fraction * pipeline
     # Data parallel: fp32 gradient reduction (bf16 accumulates in fp32) + all-gather of weights.
     params = max(sum(layer_params(cfg, k, layout.tp) for k in kinds) for kinds in stage_kinds(cfg, layout.pp))
     grad_bytes = 2 if layout.precision == "fp16" else 4
@@ -374,7 +414,39 @@ def step_time(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> dict
     return {"total": total, "compute": (layout.micro_batches) * compute, "bubble": bubble,
             "tp_comm": layout.micro_batches * tp_comm, "pp_comm": layout.micro_batches * p2p,
             "dp_comm": dp_comm, "optimizer": optimizer,
-            "bubble_fraction": (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)}
+            "bubble_fraction": bubble_fraction}
+
+
+def weight_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: float) -> float:
+    """FLOPs of one plan layer's weight gradients (W): one matmul per weight matrix, as large as
+    its forward matmul. Attention's score and mixing matmuls have no weights (all of their
+    backward is B)."""
+    d, s, t = cfg.d_model, float(src_len), float(tgt_len)
+    attention = {"encoder": 4 * d * s * s, "decoder": 4 * d * (t * t + t * s)}.get(kind, 0.0)
+    return layer_forward_flops(cfg, kind, s, t) - attention
+
+
+def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: float,
+                    p2p: float) -> tuple[float, float]:
+    """(seconds, bubble fraction) of ZB-H1's pipeline phase: the simulated timeline
+    (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
+    W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
+    Communication goes with F (activations) and B (gradients)."""
+    from parallel.zb_timeline import makespan
+
+    b, s, t = layout.sequences, layout.src_len, layout.tgt_len
+    shares = []
+    for kinds in stage_kinds(cfg, layout.pp):
+        fwd = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds)
+        w = sum(b * weight_flops(cfg, k, s, t) for k in kinds)
+        recompute = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds if k in ("encoder", "decoder"))
+        total = 3 * fwd + (recompute if layout.checkpoint else 0)
+        shares.append((total, fwd / total if total else 1 / 3, w / total if total else 1 / 3))
+    _, f_share, w_share = max(shares)
+    cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
+    cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
+    seconds = makespan(layout.pp, layout.micro_batches, cost, "zb-h1")
+    return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
 
 
 @dataclass(frozen=True)

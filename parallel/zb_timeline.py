@@ -1,0 +1,105 @@
+"""Per-stage compute orders of 1F1B and ZB-H1 and their timelines (no DeepSpeed import: the
+planner uses them too). Ops are ('F' | 'B' | 'W' | 'BW', micro-batch): forward, input gradient,
+weight gradients, and 1F1B's unsplit backward."""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+Order = Callable[[int, int, int], list[tuple[str, int]]]
+
+
+def zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """ZB-H1's compute order of one stage.
+
+    1F1B's order of F and B (stage s runs min(p − 1 − s, m) forwards first, then alternates), with
+    the W of micro-batch j placed right after the B of micro-batch j + s: the last stage, whose
+    1F1B activations are fewest (1 micro-batch), holds the most pending W (p − 1), the first stage
+    none. So every stage holds at most p micro-batches between F and W, 1F1B's first-stage peak,
+    and the W left over at the end fill the cooldown where 1F1B idles. With F, B and W of equal
+    cost a step takes 3m + p − 1 units, the (p − 1)·(T_F + T_B − T_W) bubble of the paper.
+    """
+    p, m, s = stages, micro_batches, stage
+    warmup = min(p - 1 - s, m)
+    order = [("F", k) for k in range(warmup)]
+    forwards, weights = warmup, 0
+    for b in range(m):
+        if forwards < m:
+            order.append(("F", forwards))
+            forwards += 1
+        order.append(("B", b))
+        if b >= s:
+            order.append(("W", weights))
+            weights += 1
+    order += [("W", k) for k in range(weights, m)]
+    return order
+
+
+def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """1F1B (DeepSpeed's TrainSchedule): warm-up forwards, then F and whole backward alternating."""
+    warmup = min(stages - 1 - stage, micro_batches)
+    order = [("F", k) for k in range(warmup)]
+    for b in range(micro_batches):
+        if warmup + b < micro_batches:
+            order.append(("F", warmup + b))
+        order.append(("BW", b))
+    return order
+
+
+ORDERS: dict[str, Order] = {"1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
+
+
+def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+             order: Order = zb_h1_order) -> list[list[tuple[float, float, str, int]]]:
+    """Start and end of every op of every stage when an op starts as soon as its stage is free
+    and its input has arrived (transfers free): per stage [(start, end, kind, micro-batch)].
+    `cost` gives F, B, W (BW defaults to B + W), for all stages or one dict per stage; unit
+    costs by default. O(p·m)."""
+    p = stages
+    costs = []
+    for c in (cost if isinstance(cost, list) else [cost] * p):
+        c = {"F": 1.0, "B": 1.0, "W": 1.0, **(c or {})}
+        c.setdefault("BW", c["B"] + c["W"])
+        costs.append(c)
+    orders = [order(p, micro_batches, s) for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], int] = {}
+    position, free = [0] * p, [0.0] * p
+    timeline: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
+    ready = deque(range(p))
+    while ready:
+        s = ready.popleft()
+        while position[s] < len(orders[s]):
+            kind, j = orders[s][position[s]]
+            if kind == "F":
+                dep = ("F", s - 1, j) if s > 0 else None
+            elif kind in ("B", "BW"):
+                dep = ("B", s + 1, j) if s < p - 1 else ("F", s, j)
+            else:
+                dep = ("B", s, j)
+            if dep is not None and dep not in done:
+                waiting[dep] = s
+                break
+            start = max(free[s], done[dep] if dep else 0.0)
+            end = start + costs[s][kind]
+            key = ("B" if kind == "BW" else kind, s, j)
+            done[key] = end
+            free[s] = end
+            timeline[s].append((start, end, kind, j))
+            position[s] += 1
+            if key in waiting:
+                ready.append(waiting.pop(key))
+    if any(position[s] < len(orders[s]) for s in range(p)):
+        raise RuntimeError(f"pipeline order deadlocks at pp={p}, m={micro_batches}")
+    return timeline
+
+
+def makespan(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
+    """Time from the first forward to the last op of any stage."""
+    return max(ops[-1][1] for ops in simulate(stages, micro_batches, cost, ORDERS[schedule]))
+
+
+def bubble_fraction(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
+    """Idle fraction of a step, 1 − m·(F + B + W) / makespan, all stages costing `cost`."""
+    work = micro_batches * (cost["F"] + cost["B"] + cost["W"])
+    return 1.0 - work / makespan(stages, micro_batches, cost, schedule)

@@ -1,0 +1,78 @@
+"""Runs under the deepspeed launcher: 1F1B and ZB-H1 trained from the same weights on the same
+batches, several scenarios in one launch (start-up is costly).
+
+zb, 1f1b:        the plain config (no dropout) under each schedule.
+zb_ac:           ZB-H1 with activation checkpointing every layer.
+zb_drop, 1f1b_drop: dropout 0.1 everywhere and checkpointing every layer, under each schedule
+                 (dropout draws from each rank's stream in forward order, which both schedules
+                 share, so the two must agree; the single process draws other masks).
+zb_subln:        ZB-H1 with Sub-LN (LayerNorms inside attention and FFN: sharded under TP).
+Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
+writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from launcher.config import load_config  # noqa: E402
+from launcher.train import Trainer  # noqa: E402
+from parallel.engine import setup_distributed  # noqa: E402
+from parallel.pipeline import plain_state_dict  # noqa: E402
+from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
+
+
+def run(cfg, name: str, steps: int, out: str) -> dict:
+    cfg = copy.deepcopy(cfg)
+    data_dir = os.path.join(cfg.run_dir, "data")
+    cfg.run_dir = f"{cfg.run_dir}-{name}"
+    fresh_run_dir(cfg.run_dir, data_dir)
+    trainer = Trainer(cfg, max_steps=steps)
+    result = record_steps(trainer, steps, None)
+    result["engine"] = type(trainer.engine).__name__
+    if trainer.dp_rank == 0:
+        state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
+        tp_rank = trainer.engine.grid.get_slice_parallel_rank()
+        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.engine.stage_id}.tp{tp_rank}.pt")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--scenarios", default="zb,1f1b,zb_ac,zb_drop,1f1b_drop", help="comma-separated")
+    parser.add_argument("--local_rank", type=int)
+    args = parser.parse_args()
+
+    setup_distributed()
+    cfg = load_config(args.config)
+    drop = copy.deepcopy(cfg)
+    drop.model.dropout = drop.model.attention_dropout = drop.model.activation_dropout = 0.1
+    drop.parallel.activation_checkpoint_interval = 1
+    subln = copy.deepcopy(cfg)
+    subln.model.norm = "subln"
+    scenarios = {"zb": (cfg, "zb-h1", 0), "1f1b": (cfg, "1f1b", 0), "zb_ac": (cfg, "zb-h1", 1),
+                 "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0)}
+    results = {}
+    for name in args.scenarios.split(","):
+        base, schedule, interval = scenarios[name]
+        scenario = copy.deepcopy(base)
+        scenario.parallel.schedule = schedule
+        scenario.parallel.activation_checkpoint_interval = interval
+        results[name] = run(scenario, name, args.steps, args.out)
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

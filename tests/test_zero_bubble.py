@@ -1,0 +1,200 @@
+"""ZB-H1 pieces in one process: the split backward equals autograd's, the schedule is complete,
+deadlock-free under blocking point-to-point transfers and has ZB-H1's bubble and memory."""
+import copy
+
+import pytest
+import torch
+from deepspeed.runtime.pipe import schedule as ds
+
+from model.config import ModelConfig
+from model.layers import source_mask
+from model.transformer import build_layer
+from parallel.zb_timeline import bubble_fraction, simulate, zb_h1_order
+from parallel.zero_bubble import WeightGradStore, WeightPass, split_weight_gradients, stage_instructions
+
+
+def _cfg(norm: str) -> ModelConfig:
+    return ModelConfig(encoder_layers=3, decoder_layers=3, d_model=32, heads=4, ffn_dim=64, norm=norm,
+                       dropout=0.0, vocab_size=50)
+
+
+def _pair(cfg: ModelConfig, kind: str):
+    torch.manual_seed(3)
+    plain = build_layer(cfg, kind, 1)
+    split = copy.deepcopy(plain)
+    store = WeightGradStore()
+    split_weight_gradients(split, store)
+    return plain, split, store
+
+
+def _assert_same_grads(plain, split):
+    for (name, a), (_, b) in zip(plain.named_parameters(), split.named_parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("norm", ["deepnorm", "subln", "preln", "branchnorm"])
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_split_layer_defers_weight_gradients_and_equals_autograd(norm, kind):
+    cfg = _cfg(norm)
+    plain, split, store = _pair(cfg, kind)
+    torch.manual_seed(4)
+    x, enc = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    src = torch.randint(1, 50, (2, 7))
+    src[0, -2:] = cfg.pad_id
+    mask = source_mask(src, cfg.pad_id)
+    grad = torch.randn(2, 5, 32) if kind == "decoder" else torch.randn(2, 7, 32)
+    results = []
+    for module in (plain, split):
+        xx = (x if kind == "decoder" else enc).clone().requires_grad_()
+        ee = enc.clone().requires_grad_()
+        with store.collect(0):
+            y = module(xx, ee, mask) if kind == "decoder" else module(xx, mask)
+            y.backward(grad)
+        results.append((y, xx.grad, ee.grad))
+    assert torch.equal(results[0][0], results[1][0])  # same forward, bit for bit
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
+    if kind == "decoder":
+        torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=1e-7)
+    # B computed no weight gradient; W is waiting in the store
+    assert all(p.grad is None for p in split.parameters())
+    assert store.pending() == sum(1 for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
+    store.run(0)
+    assert store.pending() == 0
+    _assert_same_grads(plain, split)
+
+
+def test_split_embedding_and_tied_output_layer_accumulate_like_autograd():
+    cfg = _cfg("deepnorm")
+    plain, split, store = _pair(cfg, "embed")
+    tokens = torch.randint(0, 50, (2, 6))
+    tokens[1, -1] = cfg.pad_id
+    h = torch.randn(2, 4, 32)
+    for micro_batch in range(2):  # two micro-batches accumulate into one .grad
+        for module in (plain, split):
+            hh = h.clone().requires_grad_()
+            with store.collect(micro_batch):
+                y, z = module(tokens, offset=1), module.logits(hh)
+                (y.pow(2).sum() + z.pow(2).sum()).backward()
+        assert split.weight.grad is None
+    store.flush()
+    _assert_same_grads(plain, split)
+
+
+def test_backward_outside_a_pass_computes_weight_gradients_at_once():
+    plain, split, store = _pair(_cfg("deepnorm"), "encoder")
+    x = torch.randn(2, 3, 32)
+    mask = torch.ones(2, 1, 1, 3, dtype=torch.bool)
+    plain(x, mask).sum().backward()
+    split(x, mask).sum().backward()
+    assert store.pending() == 0
+    _assert_same_grads(plain, split)
+
+
+def test_split_refuses_a_module_it_cannot_split():
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(2, 2, 1))
+    with pytest.raises(ValueError, match="zb-h1 cannot split.*1.weight"):
+        split_weight_gradients(module, WeightGradStore())
+
+
+GRID = [(p, m) for p in range(1, 6) for m in range(1, 10)]
+
+
+def _run_blocking(p: int, m: int) -> None:
+    """Execute all stages' instruction streams with rendezvous transfers and data dependencies."""
+    streams = [[c for step in stage_instructions(p, m, s) for c in step] for s in range(p)]
+    pos = [0] * p
+    state = [{"F": set(), "B": set(), "W": set(), "act": set(), "grad": set()} for _ in range(p)]
+    while any(pos[s] < len(streams[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if pos[s] == len(streams[s]):
+                continue
+            cmd, st = streams[s][pos[s]], state[s]
+            j = getattr(cmd, "buffer_id", None)
+            if isinstance(cmd, ds.ForwardPass):
+                assert s == 0 or j in st["act"]
+                st["F"].add(j)
+            elif isinstance(cmd, ds.BackwardPass):
+                assert j in st["F"] and (s == p - 1 or j in st["grad"])
+                st["B"].add(j)
+            elif isinstance(cmd, WeightPass):
+                assert j in st["B"]
+                st["W"].add(j)
+            elif isinstance(cmd, (ds.SendActivation, ds.SendGrad)):
+                peer = s + 1 if isinstance(cmd, ds.SendActivation) else s - 1
+                want = ds.RecvActivation if isinstance(cmd, ds.SendActivation) else ds.RecvGrad
+                other = streams[peer][pos[peer]] if pos[peer] < len(streams[peer]) else None
+                if not (isinstance(other, want) and other.buffer_id == j):
+                    continue  # blocked until the peer reaches the matching receive
+                assert j in st["F" if want is ds.RecvActivation else "B"]
+                state[peer]["act" if want is ds.RecvActivation else "grad"].add(j)
+                pos[peer] += 1
+            elif isinstance(cmd, (ds.RecvActivation, ds.RecvGrad)):
+                continue  # completed by the matching send
+            elif isinstance(cmd, (ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)):
+                assert st["W"] == set(range(m))  # every W before the reductions
+            pos[s] += 1
+            moved = True
+        assert moved, f"deadlock at pp={p}, m={m}: positions {pos}"
+    for st in state:
+        assert st["F"] == st["B"] == st["W"] == set(range(m))
+
+
+@pytest.mark.parametrize("p,m", GRID)
+def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m):
+    _run_blocking(p, m)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 9) for m in (p, 2 * p, 4 * p)])
+def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
+    timeline = simulate(p, m)
+    makespan = max(ops[-1][1] for ops in timeline)
+    assert makespan == 3 * m + p - 1  # idle (p − 1)·(T_F + T_B − T_W) per stage, the paper's ZB-H1
+    for s in range(p):
+        order = zb_h1_order(p, m, s)
+        in_flight = peak = 0
+        for kind, _ in order:
+            in_flight += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, in_flight)
+        assert peak <= p  # 1F1B's first-stage activation count
+    unit = {"F": 1.0, "B": 1.0, "W": 1.0}
+    assert bubble_fraction(p, m, unit) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble_fraction(p, m, unit, "1f1b") == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_planner_models_zb_h1_bubble_and_memory():
+    from parallel.planner import Layout, device, stage_kinds, stage_memory, step_time, weight_grad_bytes
+
+    cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
+    dev = device("a100-80gb")
+    base = Layout(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
+    zb = Layout(**{**base.__dict__, "schedule": "zb-h1"})
+    t1, tz = step_time(cfg, base, dev, 0.4), step_time(cfg, zb, dev, 0.4)
+    assert t1["bubble_fraction"] == pytest.approx(3 / 11)
+    assert tz["bubble_fraction"] < t1["bubble_fraction"] / 2 and tz["total"] < t1["total"]
+    # work is the same; only the idle time shrinks
+    assert tz["total"] - tz["bubble"] == pytest.approx(t1["total"] - t1["bubble"], rel=1e-9)
+    for stage in range(4):
+        extra = stage_memory(cfg, zb, stage, dev)["activations"] - stage_memory(cfg, base, stage, dev)["activations"]
+        held = sum(weight_grad_bytes(cfg, k, 8, 64, 64, 2) for k in stage_kinds(cfg, 4)[stage])
+        # s pending W + the one between B and W; the first stage computes W inside its backward
+        assert extra == pytest.approx((stage + 1) * held if stage else 0.0)
+
+
+@pytest.mark.parametrize("parallel,train,message", [
+    ({"schedule": "zb"}, {}, "parallel.schedule='zb': use 1f1b or zb-h1"),
+    ({"schedule": "zb-h1", "precision": "bf16"}, {}, "zb-h1 supports precision fp32 only"),
+    ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
+])
+def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, message):
+    import yaml
+
+    from launcher.config import ConfigError, load_config
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, **parallel}, "train": train}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+    path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, "tensor_parallel": 2, "schedule": "zb-h1"}}))
+    assert load_config(str(path)).parallel.schedule == "zb-h1"
