@@ -183,7 +183,7 @@ def test_planner_models_zb_h1_bubble_and_memory():
 
 
 @pytest.mark.parametrize("parallel,train,message", [
-    ({"schedule": "zb"}, {}, "parallel.schedule='zb': use 1f1b or zb-h1"),
+    ({"schedule": "zb"}, {}, "parallel.schedule='zb': must be one of 1f1b, zb-h1"),
     ({"schedule": "zb-h1", "precision": "bf16"}, {}, "zb-h1 supports precision fp32 only"),
     ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
 ])
