@@ -10,8 +10,15 @@ Definitions (the README repeats them):
                     time − gradient reduction − optimizer step), averaged over ranks and measured
                     steps; theory (p−1)/(m+p−1), ZB-H1 (p−1)/(3m+p−1)
   MFU by CPU time   CPU only: model FLOPs / (CPU seconds of all ranks × one-core peak); other
-                    processes on a shared machine stretch wall time but not CPU time (threads
+                    processes on a shared machine stretch wall time more than CPU time (threads
                     that spin-wait do count, so this is a lower bound on kernel efficiency)
+  trainer / plain   pp = 1, fp32: CPU seconds of the trainer's steps / those of the plain model
+                    trained on the same micro-batches in the same process, A/B steps alternating
+  CPU breakdown     per step and rank, the trainer's CPU seconds in data, forward (with the
+                    loss), backward, clipping, optimizer and engine bookkeeping (the rest), next
+                    to the plain model's forward, backward, clipping and optimizer
+Times and memory come from separate phases of the worker (launcher/bench_worker.py): the memory
+phase's allocator settings cost deep-narrow models up to 80% more CPU time.
   memory            per stage, the largest peak above the process baseline among its replicas
 """
 from __future__ import annotations
@@ -102,9 +109,10 @@ def _cpu_name() -> str:
 
 def largest_microbatch(result: dict) -> tuple[int, int, int]:
     """(sequences, src_len, tgt_len) of the micro-batch with the most padded tokens among the steps
-    the memory peak covers: every step after the first (which runs before the optimizer state
-    exists) — warm-up included, since the high-water mark is."""
-    shapes = [tuple(b["shape"]) for step in result["batches"][1:] or result["batches"] for b in step]
+    the memory peak covers: every step of the memory phase after the first (which runs before the
+    optimizer state exists) — warm-up included, since the high-water mark is."""
+    memory = result["memory_batches"]
+    shapes = [tuple(b["shape"]) for step in memory[1:] or memory for b in step]
     return max(shapes, key=lambda s: s[0] * (s[1] + s[2]))
 
 
@@ -126,10 +134,10 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
                   precision=layout["precision"], schedule=layout.get("schedule", "1f1b"))
 
 
-def measured_bubble(result: dict, warmup: int) -> float:
+def measured_bubble(result: dict) -> float:
     values = []
     for rank in result["ranks"]:
-        for inst in rank["instructions"][warmup:]:
+        for inst in rank["instructions"]:
             phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
             busy = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
             if phase > 0:
@@ -162,15 +170,14 @@ def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int]
 
 def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_rank: int = 1) -> dict:
     layout = result["layout"]
-    warmup = layout["warmup"]
     model = ModelConfig(**{**asdict(model), "vocab_size": result["vocab_size"]})
-    steps = result["steps"][warmup:]
+    steps = result["steps"]
     seconds = [s["seconds"] for s in steps]
     total_time = sum(seconds)
     tokens = sum(s["tokens"] for s in steps)
     ac = layout["ac"] > 0
     model_flops = hw_flops = padded = real = 0.0
-    for step in result["batches"][warmup:]:
+    for step in result["batches"]:
         for b in step:
             model_flops += batch_flops(model, zip(b["src_lens"], b["tgt_lens"]))
             n, s, t = b["shape"]
@@ -180,7 +187,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
     world = len(result["ranks"])
     peak = env.peak_total(layout["precision"], world, threads_per_rank)
     # CPU seconds of all ranks: other processes on a shared machine stretch wall time, not this.
-    cpu_seconds = sum(inst.get("cpu_seconds", 0.0) for r in result["ranks"] for inst in r["instructions"][warmup:])
+    cpu_seconds = sum(inst.get("cpu_seconds", 0.0) for r in result["ranks"] for inst in r["instructions"])
     core_peak = env.core_peaks.get(layout["precision"]) if env.device_kind == HOST else None
     pp = layout["pp"]
     m = layout["micro_batches"]
@@ -197,21 +204,44 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
         "mfu": utilization(model_flops, total_time, peak) if peak else None,
         "hfu": utilization(hw_flops, total_time, peak) if peak else None,
         "mfu_cpu_time": model_flops / cpu_seconds / core_peak if core_peak and cpu_seconds else None,
-        "bubble_measured": measured_bubble(result, warmup), "bubble_theory": bubble_theory(layout),
+        "bubble_measured": measured_bubble(result), "bubble_theory": bubble_theory(layout),
         "stage_peak_mb": [p / MB for p in stage_peaks],
         "stage_predicted_mb": [p / MB for p in predicted] if predicted else None,
         "planner_step_s": predicted_step(model, layout, shape, env, threads_per_rank),
         "largest_microbatch": list(shape), "padding": 1 - real / padded if padded else 0.0,
         "params": [r["params"] for r in result["ranks"]], "last_loss": steps[-1]["loss"],
     }
+    row.update(compare_with_plain(result))
     if "profile" in result["ranks"][0]:
         row["profile"] = result["ranks"][0]["profile"]
     mfu = f"MFU {row['mfu']:.1%}" if row["mfu"] is not None else "MFU n/a"
+    ratio = f" | trainer/plain {row['trainer_over_plain']:.3f}" if row["trainer_over_plain"] else ""
     row["summary"] = (f"{row['target_tokens_per_s']:.0f} tgt tok/s | step {row['step_s_median']:.2f} s | "
                       f"{row['model_tflops']:.3f} TFLOP/s | {mfu} | bubble {row['bubble_measured']:.2f} "
                       f"(theory {row['bubble_theory']:.2f}) | peak MB/stage "
-                      + "/".join(f"{x:.0f}" for x in row["stage_peak_mb"]))
+                      + "/".join(f"{x:.0f}" for x in row["stage_peak_mb"]) + ratio)
     return row
+
+
+PARTS = ("data", "forward", "backward", "clipping", "optimizer", "bookkeeping")
+
+
+def compare_with_plain(result: dict) -> dict:
+    """trainer_over_plain and the per-step CPU breakdowns (seconds per step, mean over ranks)."""
+    ranks = result["ranks"]
+    per_rank = [r["breakdown"] for r in ranks]
+    trainer = {k: statistics.fmean(step[k] for steps in per_rank for step in steps) for k in PARTS}
+    trainer["total"] = sum(trainer[k] for k in PARTS)
+    out = {"trainer_over_plain": None, "cpu_breakdown": {"trainer": trainer, "plain": None},
+           "trainer_cpu_s": trainer["total"], "plain_cpu_s": None}
+    if all(r.get("plain") for r in ranks):
+        plain = {k: statistics.fmean(step[k] for r in ranks for step in r["plain"]) for k in PARTS}
+        plain["total"] = sum(plain[k] for k in PARTS)
+        trainer_total = sum(sum(step.values()) for steps in per_rank for step in steps)
+        plain_total = sum(sum(step.values()) for r in ranks for step in r["plain"])
+        out.update(trainer_over_plain=trainer_total / plain_total, plain_cpu_s=plain["total"])
+        out["cpu_breakdown"]["plain"] = plain
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -220,11 +250,12 @@ def _pct(x: float | None) -> str:
 
 def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
     setup = (f"Config `{spec['config']}`, model overrides {spec['model'] or 'none'}; {spec['warmup']} warm-up + "
-             f"{spec['steps']} measured steps per layout. Planner step time assumes kernels at "
+             f"{spec['steps']} measured steps per layout (times: the worker's speed phase). Planner step time assumes kernels at "
              f"{CPU_ASSUMED_MFU:.0%} of each rank's share of the peak (for ranking layouts).")
     header = ("| layout | ranks × threads | target tok/s | step s (median, min–max) | planner step s | model TFLOP/s "
-              "| MFU | MFU by CPU time | HFU | bubble measured / theory | peak MB per stage, measured (planner) | padding | load |")
-    lines = [f"Device: {env.describe()}.", "", setup, "", header, "|---" * 13 + "|"]
+              "| MFU | MFU by CPU time | HFU | trainer / plain (CPU) | bubble measured / theory | peak MB per stage, measured (planner) "
+              "| padding | load |")
+    lines = [f"Device: {env.describe()}.", "", setup, "", header, "|---" * 14 + "|"]
     for r in rows:
         predicted = r["stage_predicted_mb"] or [None] * len(r["stage_peak_mb"])
         memory = " / ".join(f"{m:.0f}" + (f" ({p:.0f})" if p is not None else "")
@@ -233,8 +264,9 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
         lines.append(f"| {r['layout']} | {r['ranks']} × {r['threads_per_rank']} | {r['target_tokens_per_s']:.0f} | {r['step_s_median']:.2f} "
                      f"({r['step_s_min']:.2f}–{r['step_s_max']:.2f}) | {planned} | {r['model_tflops']:.4f} | {_pct(r['mfu'])} "
                      f"| {_pct(r.get('mfu_cpu_time'))} "
-                     f"| {_pct(r['hfu'])} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
+                     f"| {_pct(r['hfu'])} | {_ratio(r.get('trainer_over_plain'))} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
                      f"| {_pct(r['padding'])} | {r.get('load_after', float('nan')):.1f} |")
+    lines += breakdown_table(rows)
     profiled = [r for r in rows if "profile" in r]
     for r in profiled:
         p = r["profile"]
@@ -244,9 +276,25 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def breakdown_table(rows: list[dict]) -> list[str]:
+    """Where one step's CPU time goes (seconds per step and rank), trainer and plain model."""
+    lines = ["", "CPU seconds per step and rank (speed phase): the trainer, and the plain model on the same batches.", "",
+             "| layout | run | " + " | ".join(PARTS) + " | total |", "|---" * (len(PARTS) + 3) + "|"]
+    for r in rows:
+        for who, parts in r["cpu_breakdown"].items():
+            if parts:
+                lines.append(f"| {r['layout']} | {who} | " + " | ".join(f"{parts[k]:.3f}" for k in PARTS)
+                             + f" | {parts['total']:.3f} |")
+    return lines
+
+
 def write_outputs(rows: list[dict], env: Environment, out: str, spec: dict) -> list[str]:
     paths = [os.path.join(out, f"bench.{ext}") for ext in ("csv", "md", "json")]
-    columns = [k for k in rows[0] if k not in ("summary", "profile")]
+    columns = [k for k in rows[0] if k not in ("summary", "profile", "cpu_breakdown")]
     with open(paths[0], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)

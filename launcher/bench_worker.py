@@ -3,12 +3,24 @@
     deepspeed --num_gpus N launcher/bench_worker.py --config RUN.yaml --layout L.json --out R.json
     python launcher/bench_worker.py ...          (world of one: no launcher needed)
 
-The real `Trainer` is built and `train_step()` is timed for warm-up + measured steps. Around it
-the worker records, per rank: peak memory above the process baseline (VmHWM on CPU, the
-allocator peak on GPUs) and how long each pipeline instruction took (forward, backward,
-send/recv, optimizer), from which the pipeline bubble is measured. Per step it records the
-padded shape and real lengths of every micro-batch of the global batch, so the launcher can
-count model and hardware FLOPs. Rank 0 writes everything to `--out` (JSON).
+The real `Trainer` is built and `train_step()` runs in two phases:
+
+  memory   warm-up + measured steps; per rank the peak memory above the process baseline (VmHWM
+           on CPU, the allocator peak on GPUs). On CPU the launcher sets a 128 KiB mmap threshold
+           so that RSS follows the live tensors (launcher/bench_layouts.py); that costs every
+           activation an mmap and its page faults (650k per 100L-100L d=64 step here, +80% CPU
+           time), so no time of this phase is reported.
+  speed    the allocator back to glibc's largest automatic threshold (as in training), one
+           untimed step, then the measured steps: per step wall and CPU time, each pipeline
+           instruction (forward, backward, send/recv, optimizer; the bubble is measured from
+           them), and where the CPU time went (data, forward, backward, clipping, optimizer,
+           engine bookkeeping). At pp = 1 in fp32 the plain `EncoderDecoder` (same seed, AdamW,
+           clipping and LR schedule) is trained on the very same micro-batches right after each
+           trainer step, in the same process: alternating A/B steps share the machine's load,
+           and their CPU-time ratio is `trainer_over_plain`.
+
+Per step the worker records the padded shape and real lengths of every micro-batch of the global
+batch, so the launcher can count model and hardware FLOPs. Rank 0 writes everything to `--out`.
 
 One layout per process because a DeepSpeed engine is never freed: ZeRO's gradient hooks sit on
 autograd nodes (C++), which Python's garbage collector cannot see through, so a second layout in
@@ -94,27 +106,132 @@ def peak_memory() -> int:
     return accelerator.peak_memory()
 
 
-def instrument(engine: object) -> dict[str, float]:
-    """Time every pipeline instruction the engine executes (seconds, accumulated by name).
+def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
+    """Time every pipeline instruction the engine executes: (wall seconds, CPU seconds) by name.
 
     The engine looks its handlers up in `self._INSTRUCTION_MAP`; an instance attribute with
     timed wrappers shadows the class table without changing what runs.
     """
-    totals: dict[str, float] = defaultdict(float)
+    wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
     synchronize = accelerator.synchronize
 
     def timed(name, handler):
         def run(self, *args, **kwargs):
             synchronize()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             result = handler(self, *args, **kwargs)
             synchronize()
-            totals[name] += time.perf_counter() - start
+            wall[name] += time.perf_counter() - start
+            cpu[name] += time.process_time() - start_cpu
             return result
         return run
 
     engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    return wall, cpu
+
+
+def _time_calls(obj: object, name: str, totals: dict[str, float], part: str) -> None:
+    """Add the CPU seconds of every call of `obj.name` (if it has one) to totals[part]."""
+    fn = getattr(obj, name, None)
+    if fn is None:
+        return
+
+    def timed(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[part] += time.process_time() - start
+    setattr(obj, name, timed)
+
+
+def time_trainer_parts(trainer: object) -> dict[str, float]:
+    """CPU seconds of the trainer's data, gradient clipping and optimizer update, by part.
+
+    Clipping is DeepSpeed's global norm and scaling: ZeRO's `scaled_global_norm` and
+    `unscale_and_clip_grads`, or the engine's `clip_fp32_gradients` without ZeRO; the optimizer
+    is the torch optimizer's own `step` (on ZeRO's flat fp32 partition).
+    """
+    totals: dict[str, float] = defaultdict(float)
+    engine = trainer.engine
+    _time_calls(trainer.stream, "next_step", totals, "data")
+    for name in ("scaled_global_norm", "unscale_and_clip_grads"):
+        _time_calls(engine.optimizer, name, totals, "clipping")
+    _time_calls(engine, "clip_fp32_gradients", totals, "clipping")
+    _time_calls(getattr(engine.optimizer, "optimizer", engine.optimizer), "step", totals, "optimizer")
     return totals
+
+
+def breakdown(step_cpu: float, parts: dict[str, float], cpu: dict[str, float]) -> dict[str, float]:
+    """One trainer step's CPU seconds: data, forward (with the loss), backward, clipping,
+    optimizer, and engine bookkeeping (the rest: gradient reduction into ZeRO's buffers and the
+    copies back, schedule, send/recv, logging)."""
+    out = {"data": parts.get("data", 0.0), "forward": cpu.get("ForwardPass", 0.0),
+           "backward": cpu.get("BackwardPass", 0.0), "clipping": parts.get("clipping", 0.0),
+           "optimizer": parts.get("optimizer", 0.0)}
+    out["bookkeeping"] = step_cpu - sum(out.values())
+    return out
+
+
+class PlainTwin:
+    """The plain `EncoderDecoder` trained with the trainer's recipe (same seed and model config,
+    AdamW, global-norm clipping, inverse-sqrt schedule): the reference of `trainer_over_plain`."""
+
+    def __init__(self, cfg: RunConfig):
+        from model.transformer import EncoderDecoder
+        from parallel.engine import inverse_sqrt
+
+        t = cfg.train
+        self.cfg = cfg
+        self.model = EncoderDecoder(cfg.model, seed=t.seed).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps,
+                                           weight_decay=t.weight_decay)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, inverse_sqrt(t.warmup_steps))
+
+    def step(self, batches: list[dict], total_tokens: int) -> dict[str, float]:
+        """One step on `batches` (this rank's micro-batches); CPU seconds by part."""
+        from model.transformer import smoothed_loss_sum
+
+        m = self.cfg.model
+        clock = time.process_time
+        parts = dict.fromkeys(("data", "forward", "backward", "clipping", "optimizer", "bookkeeping"), 0.0)
+        for b in batches:
+            start = clock()
+            loss = smoothed_loss_sum(self.model(b["src"], b["tgt_in"]), b["tgt_out"], m.pad_id,
+                                     m.label_smoothing) / max(total_tokens, 1)
+            parts["forward"] += clock() - start
+            start = clock()
+            loss.backward()
+            parts["backward"] += clock() - start
+        start = clock()
+        if self.cfg.train.clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
+        parts["clipping"] += clock() - start
+        start = clock()
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad()
+        parts["optimizer"] += clock() - start
+        return parts
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2**20  # where glibc's automatic threshold stops rising (64-bit)
+
+
+def training_allocator() -> None:
+    """Undo the memory phase's 128 KiB mmap threshold: glibc's automatic threshold rises to 32 MiB
+    as large blocks are freed (and its trim threshold to twice that), so in training activations
+    come from the heap; set that state directly."""
+    if not _on_cpu():
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * GLIBC_MMAP_THRESHOLD_MAX)
+    except (OSError, AttributeError):
+        pass
 
 
 def record_batches(trainer: object) -> list[list[dict]]:
@@ -180,20 +297,43 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     prime_process(cfg)
     baseline = reset_peak_memory()
     trainer = Trainer(cfg)
-    timers = instrument(trainer.engine)
-    batches = record_batches(trainer)
-    steps = []
+    memory_batches = record_batches(trainer)
     for _ in range(layout["warmup"] + layout["steps"]):
-        timers.clear()
-        cpu = time.process_time()
-        out = trainer.train_step()
-        cpu = time.process_time() - cpu  # this rank's CPU time, all threads: robust to other load
-        steps.append({"seconds": out["seconds"], "tokens": out["tokens"], "loss": out["loss"],
-                      "instructions": {**timers, "train_batch": out["seconds"], "cpu_seconds": cpu}})
+        trainer.train_step()
     peak = peak_memory()
+    memory_batches = list(memory_batches)
+
+    # Speed phase (see the module doc): the trainer, then the plain model on the same batches.
+    training_allocator()
+    wall, cpu = instrument(trainer.engine)
+    parts = time_trainer_parts(trainer)
+    batches = record_batches(trainer)
+    global_batches: list[list[dict]] = []
+    next_step = trainer.stream.next_step
+    trainer.stream.next_step = lambda n: global_batches.append(next_step(n)) or global_batches[-1]
+    m, dp_rank = cfg.train.micro_batches, trainer.dp_rank
+    twin = PlainTwin(trainer.cfg) if comparable(layout) else None
+    steps, plain = [], []
+    for i in range(1 + layout["steps"]):  # one untimed pair first
+        wall.clear(), cpu.clear(), parts.clear()
+        start = time.process_time()
+        out = trainer.train_step()
+        step_cpu = time.process_time() - start  # this rank's CPU time, all threads
+        if i:
+            steps.append({"seconds": out["seconds"], "tokens": out["tokens"], "loss": out["loss"],
+                          "instructions": {**wall, "train_batch": out["seconds"], "cpu_seconds": step_cpu},
+                          "breakdown": breakdown(step_cpu, parts, cpu)})
+        if twin is not None:
+            step = global_batches[-1]
+            total = sum(int(b["ntokens"]) for b in step)
+            twin_parts = twin.step(step[dp_rank * m:(dp_rank + 1) * m], total)
+            if i:
+                plain.append(twin_parts)
+    del batches[0]  # the untimed step's
     mine = {"rank": rank, "stage": trainer.engine.stage_id, "dp_rank": trainer.dp_rank,
             "baseline_bytes": baseline, "peak_bytes": peak, "params": sum(p.numel() for p in trainer.module.parameters()),
-            "instructions": [s.pop("instructions") for s in steps]}
+            "instructions": [s.pop("instructions") for s in steps],
+            "breakdown": [s.pop("breakdown") for s in steps], "plain": plain or None}
     if profile_dir and torch.distributed.get_world_size() == 1:
         mine["profile"] = profile_step(trainer, os.path.join(profile_dir, f"{layout['name']}.profile.txt"))
     ranks = [None] * torch.distributed.get_world_size()
@@ -201,8 +341,14 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     partition = [int(x) for x in trainer.module.parts]
     if rank != 0:
         return None
-    return {"layout": layout, "steps": steps, "batches": batches, "ranks": ranks, "partition": partition,
-            "vocab_size": cfg.model.vocab_size}
+    return {"layout": layout, "steps": steps, "batches": batches, "memory_batches": memory_batches,
+            "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size}
+
+
+def comparable(layout: dict) -> bool:
+    """Layouts whose one rank runs the whole model (pp = tp = 1) in fp32: the plain model is
+    timed next to them."""
+    return layout.get("pp", 1) == 1 and layout.get("tp", 1) == 1 and layout["precision"] == "fp32"
 
 
 def main() -> None:

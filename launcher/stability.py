@@ -59,7 +59,8 @@ class StabilityLogger:
         self.metrics_dir = os.path.join(cfg.run_dir, "metrics")
         self.ref_path = os.path.join(self.metrics_dir, "stability_reference.pt")
         # F is the output of the plan layer just before the output projection (the decoder's last
-        # layer or final LayerNorm); its wrapper returns (h, src, tgt_in), F = h's decoder part.
+        # layer or final LayerNorm); its wrapper returns the in-stage flow (enc, dec, src, tgt_in,
+        # mask) of parallel/pipeline.py, F = dec.
         last = dict(trainer.module.named_children()).get(str(len(layer_plan(cfg.model)) - 2))
         self.output_module = last if last is not None and self.coords["dp"] == self.coords["tp"] == 0 else None
         self.measures_delta = self.output_module is not None
@@ -114,7 +115,7 @@ class StabilityLogger:
         module, monitor = self.trainer.module, self.engine.monitor
         offset, rng = module.micro_offset, torch.get_rng_state()
         enabled, monitor.enabled = monitor.enabled, False  # keep the probe out of eval_loss
-        select = lambda out: out[0][:, out[1].size(1):]  # noqa: E731  (decoder part of h)
+        select = lambda flow: flow[1]  # noqa: E731  (the decoder stream)
         capture = OutputCapture(self.output_module, select) if self.measures_delta else contextlib.nullcontext()
         try:
             with capture:

@@ -103,7 +103,8 @@ class IncrementalDecoder:
             return t.index_select(0, index)
 
         if memory:
-            self.enc, self.mask = pick(self.enc), pick(self.mask)
+            self.enc = pick(self.enc)
+            self.mask = None if self.mask is None else pick(self.mask)
         for cache in self.caches:
             _map_tensors(cache, pick, skip=() if memory else ("cross",))
 

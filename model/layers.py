@@ -172,3 +172,11 @@ class DecoderLayer(nn.Module):
 def source_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """[B, 1, 1, S] boolean mask, True on real (non-pad) source tokens."""
     return (src_tokens != pad_id)[:, None, None, :]
+
+
+def padding_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor | None:
+    """`source_mask`, or None when no source token is padding: attention then runs unmasked
+    (the same result, and SDPA skips reading and adding a mask in every attention call).
+    Computed once per micro-batch and stage and handed to every layer."""
+    real = src_tokens != pad_id
+    return None if bool(real.all()) else real[:, None, None, :]

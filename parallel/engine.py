@@ -139,6 +139,22 @@ def inverse_sqrt(warmup: int):
     return factor
 
 
+def adamw(params, t) -> torch.optim.Optimizer:
+    """The client AdamW, fused (one kernel per step) where torch has the kernel for the device.
+
+    ZeRO hands the optimizer one flat fp32 partition: the default single-tensor AdamW then makes
+    full-size temporaries every step (184 MB each for 46M parameters, freshly mapped and faulted
+    in by glibc above 32 MB); the fused kernel makes none. 100L-100L d=64 on CPU: the optimizer
+    step 0.087 → 0.010 CPU s. Same update up to rounding.
+    """
+    params = list(params)
+    kwargs = dict(lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except RuntimeError:  # no fused kernel for this device or dtype
+        return torch.optim.AdamW(params, **kwargs)
+
+
 def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = False):
     """Build the pipeline module, the optimizer, the LR schedule and DeepSpeed's engine."""
     import deepspeed
@@ -161,8 +177,7 @@ def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
         module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
                                  activation_checkpoint_interval=p.activation_checkpoint_interval, tp=tp)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps,
-                                  weight_decay=t.weight_decay)
+    optimizer = adamw(module.parameters(), t)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
     if p.schedule == "zb-h1":  # DeepSpeed's engine subclassed for the zero-bubble schedule
         from parallel.zero_bubble import initialize

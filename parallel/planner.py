@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -193,37 +192,12 @@ ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
-    """Layer-plan indices where stages start (pp + 1 bounds), from the trainer's cost model.
-
-    Small plans use DeepSpeed's own `partition_balanced`, exactly what the trainer runs. It is
-    O(layers² · pp) in Python (minutes for 1,000 layers), so large plans use the min-max cut
-    found by binary search on the heaviest stage, which is what step time depends on.
-    """
+    """Layer-plan indices where stages start (pp + 1 bounds): the trainer's own partition of its
+    cost model (parallel/partition.py, milliseconds even for 1,000 layers)."""
+    from parallel.partition import partition_balanced
     from parallel.pipeline import layer_costs
 
-    costs = layer_costs(cfg)
-    if len(costs) ** 2 * pp <= 200_000:
-        from deepspeed.runtime.utils import partition_balanced
-
-        return [int(b) for b in partition_balanced(costs, pp)]
-    lo, hi = max(costs), sum(costs)
-    while hi - lo > 1e-6 * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _cuts(costs, mid, pp) is None else (lo, mid)
-    return _cuts(costs, hi, pp)
-
-
-def _cuts(costs: list[float], limit: float, pp: int) -> list[int] | None:
-    bounds, load = [0], 0.0
-    for i, c in enumerate(costs):
-        if load + c > limit or len(costs) - i < pp - len(bounds) + 1:
-            if len(bounds) == pp:
-                return None
-            bounds.append(i)
-            load = 0.0
-        load += c
-    bounds += [len(costs)] * (pp + 1 - len(bounds))
-    return bounds if len(bounds) == pp + 1 and all(a < b for a, b in itertools.pairwise(bounds)) else None
+    return partition_balanced(layer_costs(cfg), pp)
 
 
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
@@ -259,12 +233,13 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
                            element: int, mask: int, tp: int = 1) -> float:
     """Bytes autograd saves for one plan layer and one micro-batch (pipeline wrappers included).
 
-    Encoder layer, per source token: the layer input as three copies (Q, K and V each reshape
-    the non-contiguous slice of h), Q, K, V and the attention output, the attention's log-sum-exp
-    (H floats), the two LayerNorm inputs and the FFN input, the ReLU output (f), LayerNorm mean
-    and rstd (4 floats) and the float padding mask (1): e·(10d + f) + 4·(H + 5). A decoder layer,
-    per target token e·(14d + f) + 4·(2H + 6), and per source token e·4d + 4 (the cross-attention
-    K/V inputs and outputs). Dropout adds one mask per residual branch (and per FFN activation).
+    Encoder layer, per source token: the layer input (one contiguous stream, shared by the Q, K
+    and V projections), Q, K, V and the attention output, the attention's log-sum-exp (H floats),
+    the two LayerNorm inputs and the FFN input, the ReLU output (f), LayerNorm mean and rstd
+    (4 floats) and the float padding mask (1; none when a micro-batch has no padding):
+    e·(8d + f) + 4·(H + 5). A decoder layer, per target token e·(12d + f) + 4·(2H + 6), and per
+    source token e·3d + 4 (the encoder output read by the cross-attention K/V projections, and
+    their outputs). Dropout adds one mask per residual branch (and per FFN activation).
     Tensors inside a tensor-parallel region (Q, K, V, attention output, ReLU output) are split.
     """
     d, f, h, v = cfg.d_model, cfg.ffn_dim, cfg.heads, cfg.vocab_size
@@ -272,16 +247,16 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     res_mask = mask if cfg.dropout > 0 else 0
     act_mask = mask * f / tp if cfg.activation_dropout > 0 else 0
     if kind == "encoder":
-        per = element * (6 * d + (4 * d + f) / tp) + 4 * (5 + h / tp) + 2 * d * res_mask + act_mask
+        per = element * (4 * d + (4 * d + f) / tp) + 4 * (5 + h / tp) + 2 * d * res_mask + act_mask
         return ns * per
     if kind == "decoder":
-        per_t = element * (8 * d + (6 * d + f) / tp) + 4 * (6 + 2 * h / tp) + 3 * d * res_mask + act_mask
-        per_s = element * (2 * d + 2 * d / tp) + 4
+        per_t = element * (6 * d + (6 * d + f) / tp) + 4 * (6 + 2 * h / tp) + 3 * d * res_mask + act_mask
+        per_s = element * (d + 2 * d / tp) + 4
         return nt * per_t + ns * per_s
     if kind == "embed":
         return (ns + nt) * (8 + d * res_mask)
     if kind == "output":
-        # h slice copy, logits (kept by the engine until backward), fp32 log-softmax, labels
+        # the decoder stream, logits (kept by the engine until backward), fp32 log-softmax, labels
         return nt * (element * d + v / tp * (element + 4) + 9)
     return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
 

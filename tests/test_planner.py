@@ -17,6 +17,7 @@ import yaml
 
 from launcher.cli import main as cli_main
 from model.config import ModelConfig
+from model.layers import padding_mask
 from model.transformer import smoothed_loss_sum
 from parallel.planner import layer_activation_bytes, named_model, stage_bounds
 from tests.conftest import write_run_config
@@ -46,7 +47,10 @@ def test_activation_formula_equals_saved_tensors(dropout):
                       dropout=dropout)
     b, s, t = 3, 7, 5
     src, tgt = torch.randint(4, 50, (b, s)), torch.randint(4, 50, (b, t))
-    h = torch.randn(b, s + t, 48, requires_grad=True)
+    src[0, -2:] = 0  # source padding: the layers get a mask
+    enc = torch.randn(b, s, 48, requires_grad=True)
+    dec = torch.randn(b, t, 48, requires_grad=True)
+    flow = (enc, dec, src, tgt, padding_mask(src, 0))  # what layers inside a stage pass on
 
     def formula(kind):
         return layer_activation_bytes(cfg, kind, b, s, t, element=4, mask=4)
@@ -54,13 +58,13 @@ def test_activation_formula_equals_saved_tensors(dropout):
     specs = layer_specs(cfg, seed=0)  # plan order: embed, encoder × 2, decoder × 2, output
     for kind, module in (("encoder", specs[1].build()), ("decoder", specs[3].build())):
         module.train()
-        assert saved_bytes(lambda m=module: m((h, src, tgt)), module.parameters()) == formula(kind), kind
+        assert saved_bytes(lambda m=module: m(flow), module.parameters()) == formula(kind), kind
     embed = specs[0].build().train()
     assert saved_bytes(lambda: embed((src, tgt)), embed.parameters()) == formula("embed")
     kept = {}
 
     def output():
-        kept["logits"] = output_logits(embed, (h, src, tgt))  # the engine holds it until backward
+        kept["logits"] = output_logits(embed, flow)  # the engine holds it until backward
         smoothed_loss_sum(kept["logits"], tgt, 0, 0.1)
 
     saved = saved_bytes(output, embed.parameters())
