@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # no display on CI machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {"postln": "Post-LN", "preln": "Pre-LN", "deepnorm": "DeepNet (DeepNorm)", "subln": "Sub-LN (Pre-LN DeepNet)",
-          "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-torchscale": "DeepNorm (torchscale)"}
+          "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-xavier-1.15": "DeepNorm (Xavier, encoder constant 1.15)"}
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:

@@ -21,7 +21,7 @@ class ModelConfig:
     vocab_size: int = 0
     """Joint vocabulary size; 0 means 'take it from the SentencePiece model of the data'."""
     norm: str = "deepnorm"
-    """Normalisation strategy: deepnorm | deepnorm-torchscale | postln | preln | postln-init |
+    """Normalisation strategy: deepnorm | deepnorm-xavier-1.15 | postln | preln | postln-init |
     subln | branchnorm (formulas in model/norms.py)."""
     branchnorm_max_norm_step: int = 4000
     """BranchNorm's T: the branch is normalised with weight 1 − t/T and is plain Post-LN from
