@@ -27,6 +27,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -126,6 +127,12 @@ def read_run(run_dir: str) -> dict[int, dict[str, float]]:
     for file, key in names.items():
         for step, value in _csv_series(os.path.join(metrics, file + ".csv")).items():
             out.setdefault(step, {})[key] = value
+    # The trainer prints the step-0 validation but does not send it to the monitor: read the log.
+    log = os.path.join(run_dir, "train.log")
+    if os.path.exists(log):
+        with open(log, errors="replace") as f:
+            for match in re.finditer(r"step (\d+) \| valid loss ([0-9.naif]+)", f.read()):
+                out.setdefault(int(match.group(1)), {}).setdefault("valid_loss", float(match.group(2)))
     return out
 
 
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from data.config import DataConfig
     from data.prepare import prepare_data
-    from experiments.depth_report import load_results, write_outputs
+    from experiments.depth_report import write_outputs
 
     parser = argparse.ArgumentParser(prog="run.sh experiment depth-1000", description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="tables, plot and CSVs (default docs/depth-1000; with --quick "
@@ -232,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", help="comma-separated depths N (NL-NL), default 200,500")
     parser.add_argument("--train-steps", type=int, help=f"steps of the train runs (default {TRAIN_STEPS})")
     parser.add_argument("--only", choices=("fig4", "train"), help="run only one kind of run")
-    parser.add_argument("--replot", action="store_true", help="rewrite the outputs from --work without training")
+    parser.add_argument("--replot", action="store_true",
+                        help="write the outputs from what --work holds now (finished and partial runs), no training")
     args = parser.parse_args(argv)
     args.work = args.work or f"runs/experiments/depth-1000{'-quick' if args.quick else ''}"
     args.out = args.out or (os.path.join(args.work, "out") if args.quick else "docs/depth-1000")
@@ -242,17 +250,17 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if r.kind == args.only]
     command = " ".join(["./run.sh experiment depth-1000", *(argv or [])])
 
-    if args.replot:
-        meta = load_results(args.out)
-        paths = write_outputs(collect(runs, args.work), args.out, meta["command"], meta["baseline"],
-                              meta.get("sessions", []))
-        print("depth-1000: redrew " + ", ".join(paths), flush=True)
-        return 0
     t0, load0 = time.time(), os.getloadavg()[0]
     for name, extra in DATA.items():
         manifest = prepare_data(DataConfig(max_tokens=MAX_TOKENS, **extra), os.path.join(args.work, name),
                                 log=lambda *_: None)
     baseline = unigram_baseline(os.path.join(args.work, "data-small-dev"), manifest["vocab_size"])
+    sessions_path = os.path.join(args.work, "sessions.json")
+    sessions = json.load(open(sessions_path)) if os.path.exists(sessions_path) else []
+    if args.replot:
+        paths = write_outputs(collect(runs, args.work), args.out, command, baseline, sessions)
+        print("depth-1000: wrote " + ", ".join(paths), flush=True)
+        return 0
     todo = [r for r in runs if not finished(os.path.join(args.work, r.name), r.steps)]
     print(f"depth-1000: {len(runs)} runs ({len(runs) - len(todo)} already finished) in {args.work}; "
           f"unigram dev baseline {baseline:.3f}", flush=True)
@@ -265,9 +273,12 @@ def main(argv: list[str] | None = None) -> int:
                        f"in {info['wall_seconds'] / 60:.1f} min (CPU {info['cpu_seconds'] / 60:.1f} min, "
                        f"load {info['load_start']:.1f} → {info['load_end']:.1f})")
     session = {"wall_seconds": time.time() - t0, "load_start": load0, "load_end": os.getloadavg()[0],
-               "runs_launched": [r.name for r in todo], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0))}
-    sessions = load_results(args.out).get("sessions", []) if os.path.exists(os.path.join(args.out, "meta.json")) else []
-    paths = write_outputs(collect(runs, args.work), args.out, command, baseline, sessions + [session])
+               "runs_launched": [r.name for r in todo], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
+               "command": command}
+    sessions.append(session)
+    with open(sessions_path, "w") as f:
+        json.dump(sessions, f, indent=2)
+    paths = write_outputs(collect(runs, args.work), args.out, command, baseline, sessions)
     print(f"depth-1000: {session['wall_seconds'] / 60:.1f} min; wrote " + ", ".join(paths), flush=True)
     return 0
 

@@ -153,11 +153,18 @@ def write_outputs(results: list[dict], out: str, command: str, baseline: float, 
             w.writerow([run.name, run.kind, run.strategy, run.depth, run.steps, r["status"], len(r["launches"]),
                         f"{wall:.2f}", f"{cpu:.2f}"])
     plot(results, baseline, paths["depth1000.png"])
-    total_wall = sum(s["wall_seconds"] for s in sessions) / 60
+    launches = [x for r in results for x in r["launches"]]
+    total_wall = sum(x["wall_seconds"] for x in launches) / 60
+    total_cpu = sum(x["cpu_seconds"] for x in launches) / 60
+    loads = [x[k] for x in launches for k in ("load_start", "load_end")]
+    unfinished = [r["run"].name for r in results if r["status"] == "incomplete"]
     md = ["# depth-1000: results", "",
-          f"Written by `{command}`; {len(sessions)} session(s), {total_wall:.1f} min of wall-clock time in all "
-          "(per-session wall time and load average in meta.json; per-launch wall/CPU time and load in each run "
-          "directory's launches.json). See docs/depth-1000.md for the discussion.", "",
+          f"Written by `{command}` from {len(launches)} trainer launch(es): {total_wall:.1f} min of wall-clock time "
+          f"and {total_cpu:.1f} min of CPU time (all ranks) in all"
+          + (f", at load averages {min(loads):.1f}–{max(loads):.1f}" if loads else "")
+          + " (per run: runs.csv; per launch: each run directory's launches.json). "
+          + (f"**Incomplete runs: {', '.join(unfinished)}** (rows so far are shown). " if unfinished else "")
+          + "See docs/depth-1000.md for the discussion.", "",
           "![depth-1000](depth1000.png)", ""]
     md += tables(results, baseline)
     with open(paths["results.md"], "w") as f:
@@ -165,7 +172,3 @@ def write_outputs(results: list[dict], out: str, command: str, baseline: float, 
     return list(paths.values())
 
 
-def load_results(out: str) -> dict:
-    """meta.json of an earlier run (command, baseline, sessions)."""
-    with open(os.path.join(out, "meta.json")) as f:
-        return json.load(f)

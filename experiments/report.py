@@ -326,11 +326,18 @@ def write_seed_outputs(results: list[dict], out: str, meta: dict) -> list[str]:
     plot_seeds(results, paths["fig4_seeds.png"], last)
     plot_seeds(results, paths["fig4_seeds_step10.png"], min(10, last))
     cpu = sum(r["spec"]["seconds"] for r in results)
+    cpu_time = sum(r["spec"].get("cpu_seconds", 0.0) for r in results)
+    if meta["wall_seconds"] is None:
+        made = (f"Written by `{meta['command']}` from the {len(results)} of {meta['runs_planned']} runs finished so far "
+                f"(each run's own wall time, summed: {cpu / 60:.1f} min, CPU time {cpu_time / 60:.1f} min; single-thread "
+                "workers on a shared machine). ")
+    else:
+        made = (f"Made by `{meta['command']}` in {meta['wall_seconds'] / 60:.1f} min wall-clock on {meta['workers']} "
+                f"workers ({meta['kept_from_earlier']} of {len(results)} runs kept from an earlier, interrupted "
+                f"invocation; {cpu / 60:.1f} min of summed per-run wall time, {cpu_time / 60:.1f} min of CPU time; load average {meta['load_start']:.1f} → "
+                f"{meta['load_end']:.1f}). ")
     md = ["# update-norms --study seeds: results", "",
-          f"Made by `{meta['command']}` in {meta['wall_seconds'] / 60:.1f} min wall-clock on {meta['workers']} workers "
-          f"({meta['kept_from_earlier']} of {len(results)} runs kept from an earlier, interrupted invocation; "
-          f"{cpu / 60:.1f} min of single-thread run time over all runs; load average {meta['load_start']:.1f} → "
-          f"{meta['load_end']:.1f}). Written by the command; see docs/update-norms.md for the discussion.", "",
+          made + "Seeds differ in the weights and the data order. See docs/update-norms.md for the discussion.", "",
           f"![step {last}](fig4_seeds.png)", ""]
     md += seed_tables(results, min(10, last)) + seed_tables(results, last)
     with open(paths["results.md"], "w") as f:

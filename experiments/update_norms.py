@@ -150,7 +150,7 @@ def _layer_summary(values: dict[str, float], depth: int, prefix: str) -> dict[st
 def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
     """Train one model; return its measured rows and a summary. Runs in a worker process."""
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     cfg = model_config(spec.strategy, spec.depth, vocab)
     model = EncoderDecoder(cfg, seed=spec.seed)
     train = PairDataset(os.path.join(data_dir, "train"))
@@ -209,7 +209,7 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
             row["dev_loss"] = dev_loss(model, dev)
         rows.append(row)
     summary = {**asdict(spec), "status": status, "diverged_at": diverged_at,
-               "seconds": time.perf_counter() - start}
+               "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
     if dev:
         summary["unigram_dev_loss"] = unigram_dev_loss(train, dev, vocab, 0.1)
         last = [r["dev_loss"] for r in rows if "dev_loss" in r]
@@ -277,8 +277,20 @@ def main_seeds(args: argparse.Namespace, argv: list[str]) -> int:
     data_dir = os.path.join(args.work, "data")
     manifest = prepare_data(DataConfig(max_tokens=MAX_TOKENS), data_dir, log=lambda *_: None)
     keep = os.path.join(args.work, "seeds-quick" if args.quick else "seeds")
-    runs = sorted(seed_specs(args.quick, seeds, optimizers), key=lambda s: -s.cost)
+    # Whole seeds first (every depth of seed 1, then seed 2, ...) and AdamW before SGD, so that an
+    # interrupted study has complete depth series to show.
+    runs = sorted(seed_specs(args.quick, seeds, optimizers),
+                  key=lambda s: (optimizers.index(s.optimizer), seeds.index(s.seed), s.depth, s.strategy))
     done = sum(os.path.exists(os.path.join(keep, r.name + ".json")) for r in runs)
+    if args.replot:  # what the kept runs say now, without training the missing ones
+        runs = [r for r in runs if os.path.exists(os.path.join(keep, r.name + ".json"))]
+        results = [run_kept(r, data_dir, manifest["vocab_size"], keep) for r in runs]
+        meta = {"wall_seconds": None, "load_start": load0, "load_end": load0, "workers": args.workers,
+                "kept_from_earlier": done, "runs_planned": len(seed_specs(args.quick, seeds, optimizers)),
+                "command": " ".join(["./run.sh experiment update-norms", *argv])}
+        paths = write_seed_outputs(results, out, meta)
+        print(f"update-norms seeds: {len(results)} kept runs; wrote " + ", ".join(paths), flush=True)
+        return 0
     print(f"update-norms seeds: {len(runs)} runs ({done} kept from earlier) on {args.workers} workers; "
           f"finished runs are kept in {keep}", flush=True)
     results = []
@@ -291,7 +303,8 @@ def main_seeds(args: argparse.Namespace, argv: list[str]) -> int:
             bar.set_postfix_str(futures[future].name)
     wall = time.perf_counter() - t0
     meta = {"wall_seconds": wall, "load_start": load0, "load_end": os.getloadavg()[0], "workers": args.workers,
-            "kept_from_earlier": done, "command": " ".join(["./run.sh experiment update-norms", *argv])}
+            "kept_from_earlier": done, "runs_planned": len(runs),
+            "command": " ".join(["./run.sh experiment update-norms", *argv])}
     paths = write_seed_outputs(results, out, meta)
     print(f"update-norms seeds: {wall / 60:.1f} min; wrote " + ", ".join(paths), flush=True)
     return 0
