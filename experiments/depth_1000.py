@@ -11,7 +11,7 @@ Every run is the real trainer (`launcher/train.py`) under the real deepspeed lau
          the decoder output's change on the middle dev batch; model/instruments.py), per-layer
          gradient norms, LayerNorm input sizes. Same data, probe and definition as update-norms,
          so its 6L–100L curves and these 200L/500L ones are one figure.
-  train  TRAIN_STEPS steps of a training recipe (lr 1e-3, linear warm-up over 100 steps then
+  train  TRAIN_STEPS steps of a training recipe (lr 1e-3, linear warm-up over 25 steps then
          inverse square root, 2 micro-batches of ≤ 256 tokens per step, clipping at 1.0), the
          dev loss every VALID_EVERY steps against the unigram baseline (a model that predicts
          the training targets' token frequencies, i.e. stuck).
@@ -41,16 +41,20 @@ STRATEGIES = ("deepnorm", "postln")
 MAX_TOKENS = 256
 FIG4_STEPS = 20
 FIG4_LR, FIG4_WARMUP = 5e-4, 4000
-TRAIN_STEPS = 240
-TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 1e-3, 100, 2, 1.0
-VALID_EVERY = 40
-SAVE_EVERY = 40
+TRAIN_STEPS = 100
+TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 1e-3, 25, 2, 1.0
+VALID_EVERY = 50
+SAVE_EVERY = 25
+# The budget (about 90 minutes on 2 cores): measured here, one 256-token micro-batch costs about
+# 4.4 CPU-seconds (fwd + bwd, both stages) at 200L-200L and 2.5× that at 500L-500L. With 2
+# micro-batches a 2-stage step takes 3 stage-slots, so ~6.6 s (200L) and ~16 s (500L) of wall
+# time on an idle machine: 100 steps of the 4 train runs ≈ 75 min, the 4 fig4 runs ≈ 13 min.
 RANKS = 2
-DATA = {"data": {}, "data-small-dev": {"dev_size": 20}}
+DATA = {"data": {}, "data-small-dev": {"dev_size": 10}}
 """Data of the fig4 runs: update-norms' (the bundled default, 256-token batches), so that the probe
-batch and the training batches are the same. Of the train runs: the same corpus with 20 dev pairs
-per language (200 dev pairs in all), since the trainer validates on the whole dev split and a
-500L-500L pass over update-norms' 1,000 dev pairs takes minutes on this CPU."""
+batch and the training batches are the same. Of the train runs: the same corpus with 10 dev pairs
+per language (100 dev pairs in all, both directions), since the trainer validates on the whole dev
+split and a 500L-500L pass over update-norms' 1,000 dev pairs takes minutes on this CPU."""
 
 
 @dataclass(frozen=True)
