@@ -277,10 +277,10 @@ def main_seeds(args: argparse.Namespace, argv: list[str]) -> int:
     data_dir = os.path.join(args.work, "data")
     manifest = prepare_data(DataConfig(max_tokens=MAX_TOKENS), data_dir, log=lambda *_: None)
     keep = os.path.join(args.work, "seeds-quick" if args.quick else "seeds")
-    # Whole seeds first (every depth of seed 1, then seed 2, ...) and AdamW before SGD, so that an
-    # interrupted study has complete depth series to show.
+    # Whole seeds first (every depth and optimizer of seed 1, then seed 2, ...), so that an
+    # interrupted study has complete depth series of both optimizers to show.
     runs = sorted(seed_specs(args.quick, seeds, optimizers),
-                  key=lambda s: (optimizers.index(s.optimizer), seeds.index(s.seed), s.depth, s.strategy))
+                  key=lambda s: (seeds.index(s.seed), optimizers.index(s.optimizer), s.depth, s.strategy))
     done = sum(os.path.exists(os.path.join(keep, r.name + ".json")) for r in runs)
     if args.replot:  # what the kept runs say now, without training the missing ones
         runs = [r for r in runs if os.path.exists(os.path.join(keep, r.name + ".json"))]
