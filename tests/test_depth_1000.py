@@ -110,7 +110,7 @@ def _pooled_std_ratio(weights: list[torch.Tensor], gain: float) -> float:
 
 def test_init_scale_of_each_stack_at_n_m_500_is_the_paper_beta():
     # Pooled over the 500 layers of a stack (32k–64k weights per projection), the std is within
-    # ~1% of the truth: β_enc = 0.87·(N⁴M)^(−1/16) = 0.178, β_dec = (12M)^(−1/4) = 0.160.
+    # ~1% of the truth: β_enc = 0.87·(N⁴M)^(−1/16) = 0.1248, β_dec = (12M)^(−1/4) = 0.1136.
     torch.set_num_threads(1)
     model = EncoderDecoder(ModelConfig(**SHAPE, vocab_size=40), seed=1)
     for layers, beta, attns in ((model.encoder_layers, ENC_BETA, ["self_attn"]),
