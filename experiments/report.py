@@ -289,25 +289,31 @@ def seed_tables(results: list[dict], step: int) -> list[str]:
     seeds = sorted({r["spec"]["seed"] for r in results})
     for q, title in SEED_QUANTITIES.items():
         lines += [f"### {title}, step {step}", "", "mean ± std over seeds " + ", ".join(map(str, seeds))
-                  + f"; last column: {depths[-1]}L / {depths[0]}L per seed, mean ± std (min–max)", "",
-                  "| optimizer | strategy | " + " | ".join(f"{d}L-{d}L" for d in depths) + " | ratio |",
-                  "|---|---|" + "---|" * (len(depths) + 1)]
+                  + f"; ratio: {depths[-1]}L / {depths[0]}L per seed, mean ± std (min–max); slope: least-squares "
+                  "exponent k of ‖ΔF‖ ∝ N^k over the depths, per seed, mean ± std", "",
+                  "| optimizer | strategy | " + " | ".join(f"{d}L-{d}L" for d in depths) + " | ratio | slope |",
+                  "|---|---|" + "---|" * (len(depths) + 2)]
         for optimizer in dict.fromkeys(r["spec"]["optimizer"] for r in results):
             for strategy in dict.fromkeys(r["spec"]["strategy"] for r in results):
                 cells = []
                 for d in depths:
                     v = _seed_values(results, optimizer, strategy, d, q, step)
                     cells.append(f"{_fmt(_stats(v)[0])} ± {_fmt(_stats(v)[1], 2)}" if v else "—")
-                ratios = []
+                ratios, slopes = [], []
                 for seed in seeds:
                     pick = {r["spec"]["depth"]: _at(r, q, step) for r in results if r["spec"]["seed"] == seed
                             and r["spec"]["optimizer"] == optimizer and r["spec"]["strategy"] == strategy}
                     if pick.get(depths[0]) and pick.get(depths[-1]) is not None:
                         ratios.append(pick[depths[-1]] / pick[depths[0]])
+                    have = [d for d in depths if pick.get(d)]
+                    if len(have) >= 2:
+                        slopes.append(float(np.polyfit(np.log(have), np.log([pick[d] for d in have]), 1)[0]))
                 ratio = (f"{_fmt(_stats(ratios)[0])} ± {_fmt(_stats(ratios)[1], 2)} ({_fmt(min(ratios))}–"
                          f"{_fmt(max(ratios))})") if ratios else "—"
+                slope = f"{_stats(slopes)[0]:.2f} ± {_stats(slopes)[1]:.2f}" if slopes else "—"
                 name = "SGD" if optimizer == "sgd" else "AdamW"
-                lines.append(f"| {name} | {LABELS.get(strategy, strategy)} | " + " | ".join(cells) + f" | {ratio} |")
+                lines.append(f"| {name} | {LABELS.get(strategy, strategy)} | " + " | ".join(cells)
+                             + f" | {ratio} | {slope} |")
         lines.append("")
     return lines
 
