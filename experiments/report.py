@@ -262,7 +262,8 @@ def plot_seeds(results: list[dict], path: str, step: int) -> None:
         for row, q in enumerate(k for k in SEED_QUANTITIES if k != "delta_f_total"):
             ax = axes[row, col]
             for strategy in dict.fromkeys(r["spec"]["strategy"] for r in results):
-                depths = sorted({r["spec"]["depth"] for r in results if r["spec"]["strategy"] == strategy})
+                depths = sorted({r["spec"]["depth"] for r in results if r["spec"]["strategy"] == strategy
+                                 and _seed_values(results, optimizer, strategy, r["spec"]["depth"], q, step)})
                 stats = [_stats(_seed_values(results, optimizer, strategy, d, q, step)) for d in depths]
                 line = ax.errorbar(depths, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o",
                                    capsize=3, label=LABELS.get(strategy, strategy))

@@ -89,11 +89,15 @@ class Spec:
     seed: int = 1
     optimizer: str = "adam"
     """'adam' (AdamW as in the module docstring) or 'sgd' (plain SGD, peak lr SGD_LR)."""
+    freeze: str = ""
+    """Parameters kept at their initial values: '' (none), 'layernorm' (every LayerNorm's gain and
+    bias) or 'embedding' (the shared embedding); a probe of where the update comes from."""
     extra: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        return f"p{self.part}-{self.strategy}-{self.depth}-w{self.warmup}-s{self.seed}-{self.optimizer}"
+        frozen = f"-freeze_{self.freeze}" if self.freeze else ""
+        return f"p{self.part}-{self.strategy}-{self.depth}-w{self.warmup}-s{self.seed}-{self.optimizer}{frozen}"
 
     @property
     def cost(self) -> float:
@@ -157,11 +161,20 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
     dev_all = eval_batches(PairDataset(os.path.join(data_dir, "dev")), MAX_TOKENS)
     probe = dev_all[len(dev_all) // 2]  # typical lengths (the split is length-sorted)
     stream = BatchStream(train, MAX_TOKENS, seed=spec.seed, temperature=1.5)
+    if spec.freeze == "layernorm":
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.requires_grad_(False)
+    elif spec.freeze == "embedding":
+        model.embed.requires_grad_(False)
+    elif spec.freeze:
+        raise ValueError(f"freeze={spec.freeze!r}: use layernorm or embedding")
+    trained = [p for p in model.parameters() if p.requires_grad]
     peak = SGD_LR if spec.optimizer == "sgd" else LR
     if spec.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=peak)
+        opt = torch.optim.SGD(trained, lr=peak)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
+        opt = torch.optim.AdamW(trained, lr=LR, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0)
     # The encoder output (the decoder's cross-attention memory) is captured in the same probe
     # forwards as F, for a second reading of the update.
     enc_module = model.encoder_norm if model.encoder_norm is not None else model.encoder_layers[-1]
@@ -242,12 +255,14 @@ def specs(quick: bool) -> list[Spec]:
     return out
 
 
-def seed_specs(quick: bool, seeds: tuple[int, ...], optimizers: tuple[str, ...]) -> list[Spec]:
-    """The seeds study: part 1's recipe for SEED_STRATEGIES at every depth, seed and optimizer."""
+def seed_specs(quick: bool, seeds: tuple[int, ...], optimizers: tuple[str, ...],
+               strategies: tuple[str, ...] = SEED_STRATEGIES, freeze: str = "") -> list[Spec]:
+    """The seeds study: part 1's recipe for `strategies` at every depth, seed and optimizer."""
     depths = (2, 4) if quick else DEPTHS
     steps = 6 if quick else PART1_STEPS
     return [Spec(3, s, d, steps, warmup=PART1_WARMUP, measure_at=tuple(x for x in PART1_MEASURE if x <= steps),
-                 seed=seed, optimizer=opt) for opt in optimizers for s in SEED_STRATEGIES for d in depths for seed in seeds]
+                 seed=seed, optimizer=opt, freeze=freeze)
+            for opt in optimizers for s in strategies for d in depths for seed in seeds]
 
 
 def run_kept(spec: Spec, data_dir: str, vocab: int, keep: str) -> dict:
@@ -273,20 +288,21 @@ def main_seeds(args: argparse.Namespace, argv: list[str]) -> int:
     out = args.out or ("runs/experiments/update-norms/seeds-quick" if args.quick else "docs/update-norms/seeds")
     seeds = tuple(int(x) for x in args.seeds.split(","))
     optimizers = tuple(args.optimizers.split(","))
+    strategies = tuple(args.strategies.split(","))
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     data_dir = os.path.join(args.work, "data")
     manifest = prepare_data(DataConfig(max_tokens=MAX_TOKENS), data_dir, log=lambda *_: None)
     keep = os.path.join(args.work, "seeds-quick" if args.quick else "seeds")
     # Whole seeds first (every depth and optimizer of seed 1, then seed 2, ...), so that an
     # interrupted study has complete depth series of both optimizers to show.
-    runs = sorted(seed_specs(args.quick, seeds, optimizers),
+    runs = sorted(seed_specs(args.quick, seeds, optimizers, strategies, args.freeze),
                   key=lambda s: (seeds.index(s.seed), optimizers.index(s.optimizer), s.depth, s.strategy))
     done = sum(os.path.exists(os.path.join(keep, r.name + ".json")) for r in runs)
     if args.replot:  # what the kept runs say now, without training the missing ones
         runs = [r for r in runs if os.path.exists(os.path.join(keep, r.name + ".json"))]
         results = [run_kept(r, data_dir, manifest["vocab_size"], keep) for r in runs]
         meta = {"wall_seconds": None, "load_start": load0, "load_end": load0, "workers": args.workers,
-                "kept_from_earlier": done, "runs_planned": len(seed_specs(args.quick, seeds, optimizers)),
+                "kept_from_earlier": done, "runs_planned": len(seed_specs(args.quick, seeds, optimizers, strategies, args.freeze)),
                 "command": " ".join(["./run.sh experiment update-norms", *argv])}
         paths = write_seed_outputs(results, out, meta)
         print(f"update-norms seeds: {len(results)} kept runs; wrote " + ", ".join(paths), flush=True)
@@ -328,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="--study seeds: comma-separated seeds")
     parser.add_argument("--optimizers", default=",".join(SEED_OPTIMIZERS),
                         help="--study seeds: comma-separated optimizers (adam, sgd)")
+    parser.add_argument("--strategies", default=",".join(SEED_STRATEGIES),
+                        help="--study seeds: comma-separated strategies")
+    parser.add_argument("--freeze", default="", choices=("", "layernorm", "embedding"),
+                        help="--study seeds: keep these parameters at their initial values (where does the "
+                             "update come from?)")
     args = parser.parse_args(argv)
     if args.study == "seeds":
         return main_seeds(args, argv or [])
