@@ -299,7 +299,8 @@ def seed_tables(results: list[dict], step: int) -> list[str]:
                 cells = []
                 for d in depths:
                     v = _seed_values(results, optimizer, strategy, d, q, step)
-                    cells.append(f"{_fmt(_stats(v)[0])} ± {_fmt(_stats(v)[1], 2)}" if v else "—")
+                    few = f" (n={len(v)})" if 0 < len(v) < len(seeds) else ""
+                    cells.append(f"{_fmt(_stats(v)[0])} ± {_fmt(_stats(v)[1], 2)}{few}" if v else "—")
                 ratios, slopes = [], []
                 for seed in seeds:
                     pick = {r["spec"]["depth"]: _at(r, q, step) for r in results if r["spec"]["seed"] == seed
@@ -310,7 +311,7 @@ def seed_tables(results: list[dict], step: int) -> list[str]:
                     if len(have) >= 2:
                         slopes.append(float(np.polyfit(np.log(have), np.log([pick[d] for d in have]), 1)[0]))
                 ratio = (f"{_fmt(_stats(ratios)[0])} ± {_fmt(_stats(ratios)[1], 2)} ({_fmt(min(ratios))}–"
-                         f"{_fmt(max(ratios))})") if ratios else "—"
+                         f"{_fmt(max(ratios))}), n={len(ratios)}") if ratios else "—"
                 slope = f"{_stats(slopes)[0]:.2f} ± {_stats(slopes)[1]:.2f}" if slopes else "—"
                 name = "SGD" if optimizer == "sgd" else "AdamW"
                 lines.append(f"| {name} | {LABELS.get(strategy, strategy)} | " + " | ".join(cells)
