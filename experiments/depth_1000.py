@@ -45,10 +45,10 @@ TRAIN_STEPS = 100
 TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 1e-3, 25, 2, 1.0
 VALID_EVERY = 50
 SAVE_EVERY = 25
-# The budget (about 90 minutes on 2 cores): measured here, one 256-token micro-batch costs about
-# 4.4 CPU-seconds (fwd + bwd, both stages) at 200L-200L and 2.5× that at 500L-500L. With 2
-# micro-batches a 2-stage step takes 3 stage-slots, so ~6.6 s (200L) and ~16 s (500L) of wall
-# time on an idle machine: 100 steps of the 4 train runs ≈ 75 min, the 4 fig4 runs ≈ 13 min.
+# The budget (about 90 minutes on 2 cores): measured here (fig4 runs, start-up included), a
+# 256-token step costs 4–5 CPU-seconds (fwd + bwd, both stages) at 200L-200L and 12–15 at
+# 500L-500L. 2 micro-batches per step overlap on the 2 stages (3 stage-slots instead of 4), so
+# the 4 train runs need an estimated 60–85 min on an idle machine, the 4 fig4 runs about 13.
 RANKS = 2
 DATA = {"data": {}, "data-small-dev": {"dev_size": 10}}
 """Data of the fig4 runs: update-norms' (the bundled default, 256-token batches), so that the probe
