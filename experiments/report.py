@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # no display on CI machines
 import matplotlib.pyplot as plt  # noqa: E402
 
 LABELS = {"postln": "Post-LN", "preln": "Pre-LN", "deepnorm": "DeepNet (DeepNorm)", "subln": "Sub-LN (Pre-LN DeepNet)",
-          "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-torchscale": "DeepNorm (torchscale)"}
+          "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-xavier-1.15": "DeepNorm (Xavier, encoder constant 1.15)"}
 
 
 def _write_csv(path: str, rows: list[dict]) -> None:
@@ -217,4 +217,137 @@ def write_outputs(results: list[dict], out: str, wall: float, command: str, work
            "in the spurious optimum the paper describes); *trains* otherwise.", ""]
     with open(paths["results.md"], "w") as f:
         f.write("\n".join(md))
+    return list(paths.values())
+
+
+# ---- the seeds study (`--study seeds`) ---------------------------------------------------------
+SEED_QUANTITIES = {"delta_f": "‖ΔF‖, decoder output, RMS per target token",
+                   "delta_f_total": "‖ΔF‖, decoder output, total Frobenius norm (eq. 1)",
+                   "delta_enc": "‖ΔF_enc‖, encoder output, RMS per source token"}
+
+
+def _stats(values: list[float]) -> tuple[float, float, float, float]:
+    """mean, sample std, min, max."""
+    a = np.array(values, dtype=float)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0, float(a.min()), float(a.max())
+
+
+def _seed_values(results: list[dict], optimizer: str, strategy: str, depth: int, key: str, step: int) -> list[float]:
+    return [v for r in results for v in [_at(r, key, step)] if v is not None and r["spec"]["optimizer"] == optimizer
+            and r["spec"]["strategy"] == strategy and r["spec"]["depth"] == depth]
+
+
+def seed_summary(results: list[dict]) -> list[dict]:
+    """One row per optimizer, strategy, depth, step and quantity: mean, std, min, max over seeds."""
+    rows = []
+    keys = sorted({(r["spec"]["optimizer"], r["spec"]["strategy"], r["spec"]["depth"]) for r in results})
+    steps = sorted({row["step"] for r in results for row in r["rows"] if "delta_f" in row})
+    for optimizer, strategy, depth in keys:
+        for step in steps:
+            for q in SEED_QUANTITIES:
+                values = _seed_values(results, optimizer, strategy, depth, q, step)
+                if values:
+                    mean, std, lo, hi = _stats(values)
+                    rows.append({"optimizer": optimizer, "strategy": strategy, "depth": depth, "step": step,
+                                 "quantity": q, "seeds": len(values), "mean": mean, "std": std, "min": lo, "max": hi})
+    return rows
+
+
+def plot_seeds(results: list[dict], path: str, step: int) -> None:
+    """‖ΔF‖ at `step` against depth (log-log), mean ± std over seeds and every seed as a dot."""
+    optimizers = list(dict.fromkeys(r["spec"]["optimizer"] for r in results))
+    fig, axes = plt.subplots(len(SEED_QUANTITIES) - 1, len(optimizers), figsize=(5 * len(optimizers), 7.5),
+                             squeeze=False)
+    for col, optimizer in enumerate(optimizers):
+        for row, q in enumerate(k for k in SEED_QUANTITIES if k != "delta_f_total"):
+            ax = axes[row, col]
+            for strategy in dict.fromkeys(r["spec"]["strategy"] for r in results):
+                depths = sorted({r["spec"]["depth"] for r in results if r["spec"]["strategy"] == strategy
+                                 and _seed_values(results, optimizer, strategy, r["spec"]["depth"], q, step)})
+                stats = [_stats(_seed_values(results, optimizer, strategy, d, q, step)) for d in depths]
+                line = ax.errorbar(depths, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o",
+                                   capsize=3, label=LABELS.get(strategy, strategy))
+                for d in depths:
+                    vals = _seed_values(results, optimizer, strategy, d, q, step)
+                    ax.scatter([d] * len(vals), vals, s=8, color=line[0].get_color(), alpha=0.5)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xticks(depths, [f"{d}L" for d in depths])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_title(f"{optimizer.upper() if optimizer == 'sgd' else 'AdamW'}: {SEED_QUANTITIES[q]}", fontsize=8)
+            ax.set_xlabel("depth (NL-NL)")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Update at step {step} against depth: mean ± std over seeds (dots: single seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def seed_tables(results: list[dict], step: int) -> list[str]:
+    lines = []
+    depths = sorted({r["spec"]["depth"] for r in results})
+    seeds = sorted({r["spec"]["seed"] for r in results})
+    for q, title in SEED_QUANTITIES.items():
+        lines += [f"### {title}, step {step}", "", "mean ± std over seeds " + ", ".join(map(str, seeds))
+                  + f"; ratio: {depths[-1]}L / {depths[0]}L per seed, mean ± std (min–max); slope: least-squares "
+                  "exponent k of ‖ΔF‖ ∝ N^k over the depths, per seed, mean ± std", "",
+                  "| optimizer | strategy | " + " | ".join(f"{d}L-{d}L" for d in depths) + " | ratio | slope |",
+                  "|---|---|" + "---|" * (len(depths) + 2)]
+        for optimizer in dict.fromkeys(r["spec"]["optimizer"] for r in results):
+            for strategy in dict.fromkeys(r["spec"]["strategy"] for r in results):
+                cells = []
+                for d in depths:
+                    v = _seed_values(results, optimizer, strategy, d, q, step)
+                    few = f" (n={len(v)})" if 0 < len(v) < len(seeds) else ""
+                    cells.append(f"{_fmt(_stats(v)[0])} ± {_fmt(_stats(v)[1], 2)}{few}" if v else "—")
+                ratios, slopes = [], []
+                for seed in seeds:
+                    pick = {r["spec"]["depth"]: _at(r, q, step) for r in results if r["spec"]["seed"] == seed
+                            and r["spec"]["optimizer"] == optimizer and r["spec"]["strategy"] == strategy}
+                    if pick.get(depths[0]) and pick.get(depths[-1]) is not None:
+                        ratios.append(pick[depths[-1]] / pick[depths[0]])
+                    have = [d for d in depths if pick.get(d)]
+                    if len(have) >= 2:
+                        slopes.append(float(np.polyfit(np.log(have), np.log([pick[d] for d in have]), 1)[0]))
+                ratio = (f"{_fmt(_stats(ratios)[0])} ± {_fmt(_stats(ratios)[1], 2)} ({_fmt(min(ratios))}–"
+                         f"{_fmt(max(ratios))}), n={len(ratios)}") if ratios else "—"
+                slope = f"{_stats(slopes)[0]:.2f} ± {_stats(slopes)[1]:.2f}" if slopes else "—"
+                name = "SGD" if optimizer == "sgd" else "AdamW"
+                lines.append(f"| {name} | {LABELS.get(strategy, strategy)} | " + " | ".join(cells)
+                             + f" | {ratio} | {slope} |")
+        lines.append("")
+    return lines
+
+
+def write_seed_outputs(results: list[dict], out: str, meta: dict) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    paths = {n: os.path.join(out, n) for n in ("seeds.csv", "seeds_summary.csv", "fig4_seeds.png",
+                                                "fig4_seeds_step10.png", "results.md", "meta.json")}
+    with open(paths["meta.json"], "w") as f:
+        json.dump(meta, f, indent=2)
+    _write_csv(paths["seeds.csv"], [{"optimizer": r["spec"]["optimizer"], "strategy": r["spec"]["strategy"],
+                                     "depth": r["spec"]["depth"], "seed": r["spec"]["seed"], **row}
+                                    for r in results for row in r["rows"]])
+    _write_csv(paths["seeds_summary.csv"], seed_summary(results))
+    last = max(r["spec"]["steps"] for r in results)
+    plot_seeds(results, paths["fig4_seeds.png"], last)
+    plot_seeds(results, paths["fig4_seeds_step10.png"], min(10, last))
+    cpu = sum(r["spec"]["seconds"] for r in results)
+    cpu_time = sum(r["spec"].get("cpu_seconds", 0.0) for r in results)
+    if meta["wall_seconds"] is None:
+        made = (f"Written by `{meta['command']}` from the {len(results)} of {meta['runs_planned']} runs finished so far "
+                f"(each run's own wall time, summed: {cpu / 60:.1f} min, CPU time {cpu_time / 60:.1f} min; single-thread "
+                "workers on a shared machine). ")
+    else:
+        made = (f"Made by `{meta['command']}` in {meta['wall_seconds'] / 60:.1f} min wall-clock on {meta['workers']} "
+                f"workers ({meta['kept_from_earlier']} of {len(results)} runs kept from an earlier, interrupted "
+                f"invocation; {cpu / 60:.1f} min of summed per-run wall time, {cpu_time / 60:.1f} min of CPU time; load average {meta['load_start']:.1f} → "
+                f"{meta['load_end']:.1f}). ")
+    md = ["# update-norms --study seeds: results", "",
+          made + "Seeds differ in the weights and the data order. See docs/update-norms.md for the discussion.", "",
+          f"![step {last}](fig4_seeds.png)", ""]
+    md += seed_tables(results, min(10, last)) + seed_tables(results, last)
+    with open(paths["results.md"], "w") as f:
+        f.write("\n".join(md) + "\n")
     return list(paths.values())

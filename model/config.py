@@ -82,7 +82,7 @@ def check_fields(obj, section: str) -> None:
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
 Probability = Annotated[float, Range(ge=0.0, lt=1.0)]
-Norm = Literal["deepnorm", "deepnorm-torchscale", "postln", "preln", "postln-init", "subln", "branchnorm"]
+Norm = Literal["deepnorm", "deepnorm-xavier-1.15", "deepnorm-torchscale", "postln", "preln", "postln-init", "subln", "branchnorm"]
 """The strategies of model/norms.py (a test keeps the two lists equal)."""
 
 
@@ -104,7 +104,7 @@ class ModelConfig:
     vocab_size: NonNegative = 0
     """Joint vocabulary size; 0 means 'take it from the SentencePiece model of the data'."""
     norm: Norm = "deepnorm"
-    """Normalisation strategy: deepnorm | deepnorm-torchscale | postln | preln | postln-init |
+    """Normalisation strategy: deepnorm | deepnorm-xavier-1.15 | postln | preln | postln-init |
     subln | branchnorm (formulas in model/norms.py)."""
     branchnorm_max_norm_step: Positive = 4000
     """BranchNorm's T: the branch is normalised with weight 1 − t/T and is plain Post-LN from
@@ -129,6 +129,9 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the offending key when a value or the shape is impossible."""
         check_fields(self, "model")
+        from model.norms import resolve  # the strategy's own checks (a renamed strategy says so)
+
+        resolve(self.norm, self.encoder_layers, self.decoder_layers, self.branchnorm_max_norm_step)
         if self.d_model % self.heads:
             raise ValueError(f"model.heads={self.heads} must divide model.d_model={self.d_model}")
         if self.vocab_size <= 0:

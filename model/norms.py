@@ -19,10 +19,13 @@ Strategies (`model.norm`), N encoder / M decoder layers, sub-layer function G:
                   encoder-decoder  encoder α = 0.81·(N⁴M)^(1/16), β = 0.87·(N⁴M)^(−1/16)
                                    decoder α = (3M)^(1/4),        β = (12M)^(−1/4)
                   encoder-only     α = (2N)^(1/4), β = (8N)^(−1/4)   (decoder-only: with M)
-  deepnorm-torchscale
-                the authors' torchscale code: encoder β = 1.15·(N⁴M)^(−1/16) instead of 0.87·…;
-                decoder and α as the paper. (torchscale also scales PyTorch's default init rather
-                than Xavier; Xavier-normal is kept here so that only the constants differ.)
+  deepnorm-xavier-1.15
+                DeepNorm with Xavier-normal init whose encoder gain takes the constant of the
+                authors' torchscale code: encoder β = 1.15·(N⁴M)^(−1/16) instead of 0.87·…;
+                decoder β and both α as the paper. It is NOT the authors' initialisation, which
+                keeps PyTorch's default nn.Linear init (uniform weights and biases) and divides
+                fc1, fc2, v_proj and out_proj by (N⁴M)^(1/16)/1.15 (encoder) or (12M)^(1/4)
+                (decoder). (Called deepnorm-torchscale until it was found to be neither.)
   subln         Sub-LN / Pre-LN DeepNet (Section IV, eqs. 5–9): Pre-LN plus a LayerNorm before
                 the attention output projection and before the FFN's second linear. As in the
                 authors' torchscale code, the inner attention LayerNorm is in self-attention only
@@ -227,7 +230,7 @@ def _deepnorm(n: int, m: int, t: int) -> tuple[StackNorm, StackNorm]:
             StackNorm("post", c["decoder_alpha"], c["decoder_beta"]))
 
 
-def _deepnorm_torchscale(n: int, m: int, t: int) -> tuple[StackNorm, StackNorm]:
+def _deepnorm_xavier_115(n: int, m: int, t: int) -> tuple[StackNorm, StackNorm]:
     c = deepnorm_constants("encoder-decoder", n, m)
     return (StackNorm("post", c["encoder_alpha"], 1.15 * (n**4 * m) ** (-1 / 16)),
             StackNorm("post", c["decoder_alpha"], c["decoder_beta"]))
@@ -249,16 +252,22 @@ STRATEGIES: dict[str, Callable[[int, int, int], tuple[StackNorm, StackNorm]]] = 
     "preln": _preln,
     "postln-init": _postln_init,
     "deepnorm": _deepnorm,
-    "deepnorm-torchscale": _deepnorm_torchscale,
+    "deepnorm-xavier-1.15": _deepnorm_xavier_115,
     "subln": _subln,
     "branchnorm": _branchnorm,
 }
+
+RENAMED = {"deepnorm-torchscale": "deepnorm-xavier-1.15"}
+RENAMED_WHY = {"deepnorm-torchscale": "it is Xavier init with torchscale's 1.15 encoder constant, not the "
+                                      "authors' initialisation (PyTorch's default init divided by their scale)"}
 
 
 def resolve(norm: str, encoder_layers: int, decoder_layers: int,
             max_norm_step: int = 4000) -> tuple[StackNorm, StackNorm]:
     """The (encoder, decoder) records of strategy `norm` for an N-layer encoder, M-layer decoder
     (`max_norm_step` is BranchNorm's T, ignored by the other strategies)."""
+    if norm in RENAMED:
+        raise ValueError(f"model.norm={norm!r} was renamed to {RENAMED[norm]!r}: {RENAMED_WHY[norm]}")
     if norm not in STRATEGIES:
         raise ValueError(f"model.norm={norm!r} is not a strategy; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[norm](encoder_layers, decoder_layers, max_norm_step)

@@ -37,11 +37,37 @@ def test_encoder_only_and_decoder_only_constants(layers):
     assert dec["decoder_beta"] == pytest.approx((8 * layers) ** -0.25)
 
 
-def test_torchscale_variant_differs_only_in_encoder_beta():
+def test_xavier_115_variant_differs_only_in_encoder_beta():
     paper_enc, paper_dec = resolve("deepnorm", 18, 18)
-    ts_enc, ts_dec = resolve("deepnorm-torchscale", 18, 18)
+    ts_enc, ts_dec = resolve("deepnorm-xavier-1.15", 18, 18)
     assert ts_enc.beta == pytest.approx(paper_enc.beta * 1.15 / 0.87)
     assert (ts_enc.alpha, ts_dec.alpha, ts_dec.beta) == (paper_enc.alpha, paper_dec.alpha, paper_dec.beta)
+
+
+def test_the_old_torchscale_name_is_refused_with_the_new_one():
+    with pytest.raises(ValueError, match="renamed to 'deepnorm-xavier-1.15'.*not the authors' initialisation"):
+        resolve("deepnorm-torchscale", 6, 6)
+
+
+@pytest.mark.parametrize("n,m", [(4, 2), (12, 3)])
+def test_xavier_115_init_per_layer_follows_its_formula(n, m):
+    # Per layer: std of V/O/fc1/fc2 = gain·sqrt(2/(fan_in+fan_out)) with gain 1.15·(N⁴M)^(−1/16)
+    # in the encoder and (12M)^(−1/4) in the decoder; q/k gain 1; zero biases; mean ≈ 0.
+    cfg = ModelConfig(encoder_layers=n, decoder_layers=m, d_model=256, heads=4, ffn_dim=1024, vocab_size=64,
+                      norm="deepnorm-xavier-1.15")
+    model = EncoderDecoder(cfg, seed=5)
+    for layers, gain, attns in ((model.encoder_layers, 1.15 * (n**4 * m) ** (-1 / 16), ["self_attn"]),
+                                (model.decoder_layers, (12 * m) ** (-1 / 4), ["self_attn", "cross_attn"])):
+        for layer in layers:
+            for attn in (getattr(layer, a) for a in attns):
+                for proj, g in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", gain), ("out_proj", gain)):
+                    lin = getattr(attn, proj)
+                    assert _std_ratio(lin.weight, g) == pytest.approx(1.0, abs=0.02), proj
+                    assert torch.count_nonzero(lin.bias) == 0
+            for lin in (layer.ffn.fc1, layer.ffn.fc2):
+                assert _std_ratio(lin.weight, gain) == pytest.approx(1.0, abs=0.02)
+                assert lin.weight.mean().abs() < 0.01 * gain
+                assert torch.count_nonzero(lin.bias) == 0
 
 
 def _std_ratio(weight: torch.Tensor, gain: float) -> float:

@@ -119,7 +119,7 @@ def test_init_std_of_every_projection(norm):
 
 def test_structure_of_each_strategy():
     residual_class = {"postln": PostNormResidual, "deepnorm": PostNormResidual, "postln-init": PostNormResidual,
-                      "deepnorm-torchscale": PostNormResidual, "preln": PreNormResidual, "subln": PreNormResidual,
+                      "deepnorm-xavier-1.15": PostNormResidual, "preln": PreNormResidual, "subln": PreNormResidual,
                       "branchnorm": BranchNormResidual}
     for norm in ALL:
         model = EncoderDecoder(small(norm))

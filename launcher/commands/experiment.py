@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run an experiment: 'experiment update-norms' (DeepNet Fig. 4 and Tables I/XI on tiny models)"
+HELP = ("run an experiment: 'experiment update-norms' (DeepNet Fig. 4 and Tables I/XI on tiny models), "
+        "'experiment depth-1000' (200L-200L and 500L-500L trained as a 2-stage pipeline)")
 
-EXPERIMENTS = {"update-norms": "experiments.update_norms"}
+EXPERIMENTS = {"update-norms": "experiments.update_norms", "depth-1000": "experiments.depth_1000"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

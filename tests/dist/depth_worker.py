@@ -1,0 +1,77 @@
+"""Runs under the deepspeed launcher: a very deep model (e.g. 500L-500L) as a pipeline, a few steps.
+
+Trains `--steps` steps with the real Trainer and records per step the loss and the clipped global
+gradient norm; records what each stage holds (the partition bounds, the plan indices of its
+layers, the DeepNorm α of every residual block of its encoder/decoder layers, the seeds' effect
+through the parameters); writes each stage's parameters under the plain model's names. Rank 0
+writes the numbers to `--out` (JSON); parameters go to `<out>.params.stage<k>.pt`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from launcher.config import load_config  # noqa: E402
+from launcher.train import Trainer  # noqa: E402
+from model.norms import PostNormResidual  # noqa: E402
+from model.transformer import layer_plan  # noqa: E402
+from parallel.pipeline import plain_state_dict  # noqa: E402
+
+RESIDUALS = ("self_attn_res", "cross_attn_res", "ffn_res")
+
+
+def stage_contents(trainer: Trainer) -> dict:
+    """Plan indices held by this stage and the α of every residual block of its layers."""
+    plan = layer_plan(trainer.cfg.model)
+    indices, alphas = [], {}
+    for name, child in trainer.module.named_children():
+        if not name.isdigit():
+            continue
+        index = int(name)
+        indices.append(index)
+        if plan[index].kind in ("encoder", "decoder"):
+            blocks = [getattr(child.layer, r) for r in RESIDUALS if hasattr(child.layer, r)]
+            alphas[plan[index].name] = [b.alpha for b in blocks if isinstance(b, PostNormResidual)]
+    tied = [name for name, _ in trainer.module.named_modules() if name.startswith("tied_modules.")]
+    return {"indices": sorted(indices), "alphas": alphas, "has_tied_embedding": bool(tied)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--local_rank", type=int)
+    args = parser.parse_args()
+
+    cfg = load_config(args.config)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, max_steps=args.steps)
+    built = time.perf_counter() - start
+    result = {"loss": [], "grad_norm": [], "lr": [], "parts": [int(x) for x in trainer.module.parts]}
+    while trainer.step < args.steps:
+        r = trainer.train_step()
+        result["loss"].append(r["loss"])
+        result["grad_norm"].append(r["grad_norm"])
+        result["lr"].append(r["lr"])
+    result["seconds"] = {"build": built, "steps": time.perf_counter() - start - built}
+
+    state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
+    torch.save(plain_state_dict(cfg.model, state), f"{args.out}.params.stage{trainer.engine.stage_id}.pt")
+    stages: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, {"stage": trainer.engine.stage_id, **stage_contents(trainer)})
+    result["stages"] = sorted(stages, key=lambda s: s["stage"])
+    if torch.distributed.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
