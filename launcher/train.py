@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     install_preemption_handler()  # before the slow start-up (DeepSpeed imports, engine build)
     procs.watch_owner()
     args = parser.parse_args(argv)
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID", "0")  # srun sets no RANK yet
     try:
         cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
         validate_fault_tolerance(cfg, args.config)

@@ -71,7 +71,13 @@ def test_pp2_parameters_after_training_equal_single_process(pp2_run):
             # Only bound it by the largest move Adam can make.
             assert (params[name] - value).abs().max() <= 2 * 0.001 * STEPS
             continue
-        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-6, msg=name)
+        # Adam divides each gradient by its own running RMS, so an element whose gradient is tiny
+        # moves by up to lr per step whatever its size: the fp32 rounding differences between the
+        # pipeline's and the single process's summation orders then show as parameter
+        # differences of up to a few 1e-5 in a handful of such elements (measured ≤ 3.1e-5 after
+        # 5 steps at lr 1e-3). Bound: 5% of one Adam step (5e-5); a wrong gradient moves its
+        # elements by whole steps (≥ 1e-3).
+        torch.testing.assert_close(params[name], value, rtol=1e-4, atol=0.05 * 0.001, msg=name)
     # and training moved them
     assert not torch.equal(params["encoder_layers.0.ffn.fc1.weight"], torch.zeros(1))
 

@@ -269,7 +269,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_with_identical_losses(jo
     assert f"step {k} | preempted by SIGUSR1: saved checkpoint {run_dir}/checkpoints/step{k}" in first
     assert f"requeueing job {job}" in first and "== summary ==" not in first
     # ... and the second start resumed from that checkpoint and finished the run.
-    assert re.search(rf"resumed from {re.escape(run_dir)}/checkpoints/step{k}\S* at step {k}\n", second), second
+    assert re.search(rf"resumed from {re.escape(run_dir)}/checkpoints/step{k}\S* at step {k}( \(verified\))?\n", second), second
     assert f"step {k + 1} | loss" in second and f"step {k} | loss" not in second
     assert "training ended with exit code 0" in second
 
