@@ -26,7 +26,7 @@ from model.transformer import EncoderDecoder, smoothed_loss_sum
 from parallel.checkpoints import CONSOLIDATED_FORMAT
 from tests.conftest import TINY_MODEL
 
-EXPORTABLE = ["deepnorm", "deepnorm-torchscale", "postln", "postln-init", "branchnorm"]
+EXPORTABLE = ["deepnorm", "deepnorm-xavier-1.15", "postln", "postln-init", "branchnorm"]
 T_BRANCH = 10  # BranchNorm's maximum-norm step for the tests: exportable from step 10 on
 
 
