@@ -413,6 +413,3 @@ def check_type_partition(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: parallel.partition_method={cfg.parallel.partition_method!r} leaves a pipeline "
                           "stage without layers; use cost (the default)")
 
-
-def validate_fault_tolerance(cfg: RunConfig, where: str) -> None:
-    """Kept for callers; the fault-tolerance keys are checked from their annotations when read."""

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from launcher import metrics, procs  # noqa: E402
-from launcher.config import ConfigError, RunConfig, load_config, to_dict, validate_fault_tolerance  # noqa: E402
+from launcher.config import ConfigError, RunConfig, load_config, to_dict  # noqa: E402
 from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
 from parallel import accelerator, manifest, rng  # noqa: E402
@@ -453,7 +453,6 @@ def main(argv: list[str] | None = None) -> None:
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID", "0")  # srun sets no RANK yet
     try:
         cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
-        validate_fault_tolerance(cfg, args.config)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
