@@ -41,14 +41,16 @@ STRATEGIES = ("deepnorm", "postln")
 MAX_TOKENS = 256
 FIG4_STEPS = 20
 FIG4_LR, FIG4_WARMUP = 5e-4, 4000
-TRAIN_STEPS = 100
+TRAIN_STEPS = 200
+TRAIN_DEPTHS = (500,)
 TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 1e-3, 25, 2, 1.0
 VALID_EVERY = 50
 SAVE_EVERY = 25
 # The budget (about 90 minutes on 2 cores): measured here (fig4 runs, start-up included), a
 # 256-token step costs 4–5 CPU-seconds (fwd + bwd, both stages) at 200L-200L and 12–15 at
-# 500L-500L. 2 micro-batches per step overlap on the 2 stages (3 stage-slots instead of 4), so
-# the 4 train runs need an estimated 60–85 min on an idle machine, the 4 fig4 runs about 13.
+# 500L-500L. A 6L-6L model of this width on this data needs ~125 steps of 2 × 256 tokens at this
+# recipe to reach the unigram baseline and ~200 to fall 0.5 nats below it, so the train runs take
+# 200 steps, at 500L-500L only by default (--train-depths 200,500 adds 200L-200L: ~35 min more).
 RANKS = 2
 DATA = {"data": {}, "data-small-dev": {"dev_size": 10}}
 """Data of the fig4 runs: update-norms' (the bundled default, 256-token batches), so that the probe
@@ -101,13 +103,15 @@ class Run:
         }
 
 
-def plan(quick: bool, branchnorm: bool, depths: tuple[int, ...] | None, train_steps: int | None) -> list[Run]:
+def plan(quick: bool, branchnorm: bool, depths: tuple[int, ...] | None, train_steps: int | None,
+         train_depths: tuple[int, ...] | None = None) -> list[Run]:
     strategies = STRATEGIES + (("branchnorm",) if branchnorm else ())
     depths = depths or ((2, 3) if quick else DEPTHS)
+    train_depths = train_depths or ((3,) if quick else TRAIN_DEPTHS)
     fig4_steps = 3 if quick else FIG4_STEPS
     steps = train_steps or (4 if quick else TRAIN_STEPS)
     runs = [Run("fig4", s, d, fig4_steps) for d in depths for s in strategies]
-    return runs + [Run("train", s, d, steps) for d in depths for s in strategies]
+    return runs + [Run("train", s, d, steps) for d in train_depths for s in strategies]
 
 
 # ---- reading a run directory ------------------------------------------------------------------
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="2L/3L smoke version (a few minutes)")
     parser.add_argument("--branchnorm", action="store_true", help="also BranchNorm (T = the warm-up)")
     parser.add_argument("--depths", help="comma-separated depths N (NL-NL), default 200,500")
+    parser.add_argument("--train-depths", help="comma-separated depths of the train runs, default "
+                        + ",".join(map(str, TRAIN_DEPTHS)))
     parser.add_argument("--train-steps", type=int, help=f"steps of the train runs (default {TRAIN_STEPS})")
     parser.add_argument("--only", choices=("fig4", "train"), help="run only one kind of run")
     parser.add_argument("--replot", action="store_true",
@@ -249,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     args.work = args.work or f"runs/experiments/depth-1000{'-quick' if args.quick else ''}"
     args.out = args.out or (os.path.join(args.work, "out") if args.quick else "docs/depth-1000")
     depths = tuple(int(x) for x in args.depths.split(",")) if args.depths else None
-    runs = plan(args.quick, args.branchnorm, depths, args.train_steps)
+    train_depths = tuple(int(x) for x in args.train_depths.split(",")) if args.train_depths else None
+    runs = plan(args.quick, args.branchnorm, depths, args.train_steps, train_depths)
     if args.only:
         runs = [r for r in runs if r.kind == args.only]
     command = " ".join(["./run.sh experiment depth-1000", *(argv or [])])
