@@ -68,10 +68,8 @@ class DivergenceGuard:
 
     def decide(self, norm: float | None, local_nonfinite: bool = False) -> bool:
         """True when the update must not be applied. Collective over all ranks."""
-        from deepspeed.accelerator import get_accelerator
-
         flags = torch.tensor([self._loss_share(), float(local_nonfinite)], dtype=torch.float64,
-                             device=get_accelerator().current_device_name())
+                             device=self.layout.device)
         torch.distributed.all_reduce(flags)
         loss, nonfinite = flags[0].item() * self.scale, flags[1].item() > 0
         reason = None
@@ -107,9 +105,7 @@ class DivergenceGuard:
             def get_grads_for_norm(for_clipping=False):
                 grads = original(for_clipping=for_clipping)
                 if not for_clipping and self.decide(None):
-                    from deepspeed.accelerator import get_accelerator
-
-                    poison = torch.full((1,), float("nan"), device=get_accelerator().current_device_name())
+                    poison = torch.full((1,), float("nan"), device=self.layout.device)
                     non_expert, expert = grads
                     grads = (list(non_expert) + [poison], expert)
                 return grads

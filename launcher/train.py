@@ -210,10 +210,8 @@ class Trainer:
 
     def weights_finite(self) -> bool:
         """All ranks agree whether every loaded parameter is finite."""
-        from deepspeed.accelerator import get_accelerator
-
         bad = any(not bool(torch.isfinite(p).all()) for p in self.module.parameters())
-        flag = torch.tensor([int(bad)], dtype=torch.int32, device=get_accelerator().current_device_name())
+        flag = torch.tensor([int(bad)], dtype=torch.int32, device=self.layout.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return not bool(flag.item())
 

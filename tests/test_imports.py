@@ -12,6 +12,7 @@ function-local import is still an arrow), so nothing is imported to check it.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def imports(path: str, module: str, is_package: bool, modules: dict) -> list[tup
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def graph(root: str = ROOT) -> tuple[dict[str, set[str]], list[str]]:
     """Arrows between project modules, and every arrow that points the wrong way."""
     modules = project_modules(root)
