@@ -126,7 +126,8 @@ class StabilityLogger:
         return capture.value if self.measures_delta else None
 
     def _log(self, step: int, output: torch.Tensor | None, ln: dict[str, float], grads: GradNorms | None) -> None:
-        payload = {"stage": self.layout.stage, "dp": self.layout.replica, "tp": self.layout.tp_rank, "ln": ln, "grad": self._grad_parts(grads), "delta": None}
+        payload = {"stage": self.layout.stage, "dp": self.layout.replica, "tp": self.layout.tp_rank,
+                   "ln": ln, "grad": self._grad_parts(grads), "delta": None}
         if self.measures_delta:
             payload["delta"] = update_sums(output, self.reference, self.out_mask)
         gathered = [None] * self.layout.world_size if self.layout.rank == 0 else None
