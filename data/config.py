@@ -5,10 +5,9 @@ from typing import Annotated, Any, Literal
 
 from data.corpus import check_language
 from data.errors import DataError
-from model.config import NonNegative, Positive, Range, Rule, check_fields
+from model.config import NonNegative, Positive, Range, Rule, Seed, check_fields
 
 PositiveFloat = Annotated[float, Range(gt=0.0)]
-Seed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # numpy's generators take 32-bit seeds
 CorpusName = Annotated[str, Rule(lambda v: bool(v.strip()),
                                  "must name a corpus folder, gettext:<folder> or bundled:django")]
 

@@ -159,7 +159,7 @@ def finished(run_dir: str, steps: int) -> str | None:
 # ---- running ----------------------------------------------------------------------------------
 def launch(run: Run, work: str, bar) -> dict:
     """Launch (or resume) one run with the deepspeed launcher; advance `bar` as it logs steps."""
-    from launcher.cli import ROOT, deepspeed_command, launch_env
+    from launcher.launch import ROOT, deepspeed_command, launch_env
 
     cfg = run.config(work)
     run_dir = cfg["run_dir"]

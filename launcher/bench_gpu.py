@@ -73,6 +73,7 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     from model.flops import training_flops
     from parallel import accelerator, planner
     from parallel.engine import build_engine, setup_distributed
+    from parallel.layout import Layout
 
     setup_distributed()
     cfg = RunConfig(run_dir=os.path.join(ROOT, "runs", "bench-gpu", shape))
@@ -82,7 +83,7 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     cfg.train.warmup_steps = 100
     cfg.train.clip_norm = 1.0
     baseline = accelerator.reset_peak_memory()
-    engine, module = build_engine(cfg, cfg.model)
+    engine, module = build_engine(Layout.build(cfg.parallel), cfg.model, cfg.parallel, cfg.train, cfg.run_dir)
     totals, _ = instrument(engine)  # wall seconds by instruction (GPU work is timed after a synchronize)
     generator = torch.Generator().manual_seed(0)
     losses, times = [], []
@@ -153,13 +154,14 @@ def profile(shape: str, out: str) -> None:
 
     from launcher.config import RunConfig
     from parallel.engine import build_engine, setup_distributed
+    from parallel.layout import Layout
 
     setup_distributed()
     cfg = RunConfig(run_dir=os.path.join(ROOT, "runs", "bench-gpu", shape))
     cfg.model = model_config(shape)
     cfg.parallel.precision = "bf16"
     cfg.train.micro_batches = MICRO_BATCHES
-    engine, _ = build_engine(cfg, cfg.model)
+    engine, _ = build_engine(Layout.build(cfg.parallel), cfg.model, cfg.parallel, cfg.train, cfg.run_dir)
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         engine.train_batch(iter(synthetic_batches(cfg.model.vocab_size, generator)))

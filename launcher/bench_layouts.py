@@ -30,41 +30,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import yaml
 
-from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
+from launcher.bench_report import LAYOUT_KEYS, Environment, summarize, write_outputs
+from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 from parallel.accelerator import HOST
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule")
 FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
               "threads": int, "schedule": str}
-
-
-def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
-    """Best FLOP/s of 2048² matmuls with `threads` threads: the CPU's practical peak.
-
-    One thread is timed by its CPU time, so another process taking the core does not lower
-    the peak (wall time would: the same probe read 0.040 and 0.067 TFLOP/s minutes apart here).
-    """
-    import torch
-
-    torch.set_num_threads(threads)
-    clock = time.process_time if threads == 1 else time.perf_counter
-    n = 2048
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm the kernels and thread pool
-    best = 0.0
-    for _ in range(trials):
-        count, start = 0, clock()
-        while clock() - start < seconds:
-            a @ b
-            count += 1
-        best = max(best, 2 * n**3 * count / (clock() - start))
-    torch.set_num_threads(os.cpu_count() or 1)
-    return best
 
 
 def expand(entry: dict, where: str) -> list[dict]:
@@ -128,7 +104,8 @@ def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, in
         model.update({k: getattr(shape, k) for k in ("encoder_layers", "decoder_layers", "d_model", "heads", "ffn_dim")})
     defaults = {"pp": base.parallel.pipeline_stages, "dp": base.parallel.data_parallel,
                 "ac": base.parallel.activation_checkpoint_interval, "precision": base.parallel.precision,
-                "max_tokens": base.data.max_tokens, "micro_batches": base.train.micro_batches, "tp": 1}
+                "max_tokens": base.data.max_tokens, "micro_batches": base.train.micro_batches,
+                "tp": base.parallel.tensor_parallel}
     flags = {k: _values(k, getattr(args, k)) for k in GRID_KEYS if getattr(args, k) is not None}
     entries = spec.get("layouts") or [{}]
     layouts = []
@@ -148,20 +125,11 @@ def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, in
 
 def check_layout(config: str, model: dict, layout: dict) -> int:
     """Validate a layout through the real config loader; returns its world size."""
-    from launcher.bench_worker import LAYOUT_KEYS
-
     overrides: dict = {"model": dict(model)}
     for key, (section, name) in LAYOUT_KEYS.items():
-        if key in layout and not (key == "tp" and layout[key] == 1):
+        if key in layout:
             overrides.setdefault(section, {})[name] = layout[key]
-    try:
-        cfg = load_config(config, overrides)
-    except ConfigError as e:
-        if "unknown key" in str(e) and "tensor_parallel" in str(e):
-            raise ConfigError(f"layout {layout['name']}: this checkout has no tensor parallelism "
-                              "(parallel.tensor_parallel); use tp=1") from None
-        raise
-    return cfg.world_size
+    return load_config(config, overrides).world_size
 
 
 def run_one(config: str, model: dict, layout: dict, world: int, work: str, data_dir: str,
@@ -211,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     from data.prepare import prepare_data
-    from launcher.bench_report import Environment, summarize, write_outputs
 
     config, model, layouts, warmup, steps = build_grid(args)
     worlds = {layout["name"]: check_layout(config, model, layout) for layout in layouts}

@@ -27,6 +27,7 @@ import csv
 import json
 import os
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 
 from model.config import ModelConfig
@@ -36,6 +37,35 @@ from parallel import accelerator
 from parallel.accelerator import HOST
 
 MB = 2**20
+# Layout keys of a benchmark grid → (config section, key).
+LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
+               "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
+               "precision": ("parallel", "precision"), "max_tokens": ("data", "max_tokens"),
+               "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule")}
+
+
+def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
+    """Best FLOP/s of 2048² matmuls with `threads` threads: the CPU's practical peak.
+
+    One thread is timed by its CPU time, so another process taking the core does not lower
+    the peak (wall time would: the same probe read 0.040 and 0.067 TFLOP/s minutes apart here).
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    clock = time.process_time if threads == 1 else time.perf_counter
+    n = 2048
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm the kernels and thread pool
+    best = 0.0
+    for _ in range(trials):
+        count, start = 0, clock()
+        while clock() - start < seconds:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / (clock() - start))
+    torch.set_num_threads(os.cpu_count() or 1)
+    return best
 
 
 @dataclass
@@ -63,8 +93,6 @@ class Environment:
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
             peaks = {p: (table["peak_tflops"].get(p, 0) * 1e12 if table else None) for p in precisions}
             return cls("gpu", name, cores, accelerator.gpu_memory_bytes(), peaks, {}, os.getloadavg())
-        from launcher.bench_layouts import matmul_peak
-
         dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         load = os.getloadavg()
         core_peaks = {p: matmul_peak(dtypes[p], 1) for p in sorted(precisions)}

@@ -45,16 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil
 import torch
 
+from launcher.bench_report import LAYOUT_KEYS
 from launcher.config import RunConfig, load_config
 from parallel import accelerator
-
-# Layout keys → (config section, key).
-LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
-               "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
-               "precision": ("parallel", "precision"), "zero": ("parallel", "zero_stage"),
-               "max_tokens": ("data", "max_tokens"), "micro_batches": ("train", "micro_batches"),
-               "schedule": ("parallel", "schedule")}
-
 
 def _on_cpu() -> bool:
     return accelerator.on_host()
@@ -255,7 +248,7 @@ def layout_config(base_config: str, layout: dict, run_dir: str, model_overrides:
     overrides: dict = {"run_dir": run_dir, "model": dict(model_overrides),
                        "train": {"max_steps": layout["warmup"] + layout["steps"]}}
     for key, (section, name) in LAYOUT_KEYS.items():
-        if key in layout and not (key == "tp" and layout[key] == 1):
+        if key in layout:
             overrides.setdefault(section, {})[name] = layout[key]
     return load_config(base_config, overrides)
 
@@ -311,7 +304,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     global_batches: list[list[dict]] = []
     next_step = trainer.stream.next_step
     trainer.stream.next_step = lambda n: global_batches.append(next_step(n)) or global_batches[-1]
-    m, dp_rank = cfg.train.micro_batches, trainer.dp_rank
+    m, dp_rank = cfg.train.micro_batches, trainer.layout.replica
     twin = PlainTwin(trainer.cfg) if comparable(layout) else None
     steps, plain = [], []
     for i in range(1 + layout["steps"]):  # one untimed pair first
@@ -330,7 +323,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             if i:
                 plain.append(twin_parts)
     del batches[0]  # the untimed step's
-    mine = {"rank": rank, "stage": trainer.engine.stage_id, "dp_rank": trainer.dp_rank,
+    mine = {"rank": rank, "stage": trainer.layout.stage, "dp_rank": trainer.layout.replica,
             "baseline_bytes": baseline, "peak_bytes": peak, "params": sum(p.numel() for p in trainer.module.parameters()),
             "instructions": [s.pop("instructions") for s in steps],
             "breakdown": [s.pop("breakdown") for s in steps], "plain": plain or None}

@@ -1,10 +1,11 @@
-"""Run configuration: YAML → validated dataclasses, with errors that name the file and key."""
+"""Run configuration: YAML → the composite of the sections each folder owns (model/config.py,
+data/config.py, parallel/config.py), validated, with errors that name the file and key. This
+module only reads the file, builds the sections and checks the rules across them."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import os
-import re
 import stat
 import typing
 from dataclasses import dataclass, field
@@ -12,8 +13,9 @@ from typing import Annotated, Literal
 
 import yaml
 
-from data.config import DataConfig, Seed
-from model.config import ModelConfig, NonNegative, Positive, Range, Rule, check_fields
+from data.config import DataConfig
+from model.config import ModelConfig, NonNegative, Positive, Rule, check_fields
+from parallel.config import ParallelConfig, TrainConfig
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
@@ -21,105 +23,6 @@ MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this
 
 class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the key."""
-
-
-def _partition_method_ok(method: str) -> bool:
-    if method in ("cost", "parameters", "uniform"):
-        return True
-    if not method.startswith("type:") or not method[len("type:"):]:
-        return False
-    try:
-        re.compile(method[len("type:"):])
-    except re.error:
-        return False
-    return True
-
-
-PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
-                                      "(a valid regular expression)")]
-
-
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How the model is laid out over processes."""
-
-    pipeline_stages: Positive = 1
-    """pp: number of pipeline stages (depth partitions)."""
-    tensor_parallel: Positive = 1
-    """tp: megatron-core tensor parallelism inside each stage (heads, FFN columns and the
-    vocabulary are split tp ways; tp must divide model.heads, model.ffn_dim and the vocabulary)."""
-    data_parallel: Positive = 1
-    """dp: number of model replicas. Processes launched = pipeline_stages × tensor_parallel ×
-    data_parallel."""
-    zero_stage: Literal[0, 1] = 1
-    """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. Stage 1 also gives the correct
-    global gradient norm under pp > 1 (DeepSpeed's fp32 stage-0 path does not)."""
-    activation_checkpoint_interval: NonNegative = 0
-    """Recompute activations every this many layers in backward (0 = off)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fp32 | bf16 | fp16 (bf16 on GPUs; on CPUs without bf16 instructions it is ~3× slower)."""
-    partition_method: PartitionMethod = "cost"
-    """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
-    parameters | uniform | type:REGEX (DeepSpeed's methods)."""
-    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
-    """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
-    the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
-    idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Optimisation and bookkeeping."""
-
-    max_steps: Positive = 1000
-    """Optimizer steps to run."""
-    micro_batches: Positive = 1
-    """Micro-batches per optimizer step per replica (DeepSpeed gradient_accumulation_steps)."""
-    lr: Annotated[float, Range(gt=0.0)] = 5e-4
-    """Peak learning rate, reached at the end of the warm-up."""
-    warmup_steps: NonNegative = 4000
-    """Linear warm-up length; afterwards lr decays as 1/sqrt(step) (inverse square root)."""
-    adam_betas: Annotated[tuple[float, float], Range(ge=0.0, lt=1.0)] = (0.9, 0.98)
-    """Adam β₁, β₂."""
-    adam_eps: Annotated[float, Range(gt=0.0)] = 1e-8
-    """Adam ε."""
-    weight_decay: Annotated[float, Range(ge=0.0)] = 0.0
-    """Decoupled weight decay (AdamW)."""
-    clip_norm: Annotated[float, Range(ge=0.0)] = 0.0
-    """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
-    seed: Seed = 1
-    """Seed of the weights (layer i uses seed + i) and of the data order."""
-    log_interval: Positive = 10
-    """Print loss, lr, gradient norm and tokens/s every this many steps."""
-    valid_interval: Positive = 100
-    """Compute the validation loss every this many steps (and at the end)."""
-    save_interval: Positive = 500
-    """Save a checkpoint every this many steps (and at the end)."""
-    keep_checkpoints: Positive = 2
-    """Checkpoints kept on disk (oldest deleted first)."""
-    instrument_interval: NonNegative = 0
-    """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
-    norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
-    # ---- fault tolerance (launcher/procs.py, launcher/guard.py, parallel/manifest.py) ----
-    collective_timeout_seconds: Annotated[float, Range(gt=0.0)] = 600.0
-    """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on
-    every rank still alive, so a rank that dies ends the job instead of leaving the others hanging
-    (torch.distributed's timeout). Must exceed the slowest checkpoint save and resume."""
-    stop_grace_seconds: Annotated[float, Range(gt=0.0)] = 25.0
-    """After SIGTERM (kill, scancel, SLURM's time limit) the ranks finish the step, checkpoint and
-    exit; a rank still running this many seconds later exits without a checkpoint. Keep it below
-    SLURM's KillWait (30 s by default)."""
-    divergence_policy: Literal["stop", "skip", "rollback"] = "stop"
-    """What a non-finite loss or gradient norm, or a loss spike, does (the update is never applied):
-    stop (exit with a message) | skip (drop the batch, keep the weights) | rollback (reload the last
-    good checkpoint and skip the data since it)."""
-    divergence_spike_factor: Annotated[float, Rule(lambda v: v == 0 or v > 1, "must be > 1, or 0 to turn the spike check off")] = 4.0
-    """A loss above this factor × the median of the last `divergence_window` applied steps' losses
-    is a spike (0 = no spike check)."""
-    divergence_window: Positive = 20
-    """Applied steps whose losses form the median of the spike check (checked once it is full)."""
-    divergence_max_events: Positive = 10
-    """With skip or rollback: stop after this many divergence events in one run."""
 
 
 @dataclass(kw_only=True)
@@ -350,6 +253,12 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
     if cluster is not None:
         cfg = from_dict(RunConfig, with_cluster(values, cluster, path), path)
     return cfg
+
+
+def check_run_config(values: dict, where: str) -> None:
+    """Raise ConfigError, naming the key, when the mapping `values` (a whole run config, as
+    written by a program rather than read from a file) is not a valid run config."""
+    validate(from_dict(RunConfig, values, where), where)
 
 
 def validate(cfg: RunConfig, where: str) -> None:

@@ -27,6 +27,8 @@ import statistics
 
 import torch
 
+from parallel.layout import Layout
+
 DIVERGED_EXIT_CODE = 3
 
 
@@ -35,13 +37,14 @@ class DivergenceStop(RuntimeError):
 
 
 class DivergenceGuard:
-    def __init__(self, engine, train_cfg, dp: int):
+    def __init__(self, engine, train_cfg, layout: Layout):
         self.engine = engine
+        self.layout = layout
         self.policy = train_cfg.divergence_policy
         self.factor = train_cfg.divergence_spike_factor
         self.window = train_cfg.divergence_window
         self.max_events = train_cfg.divergence_max_events
-        self.scale = 1.0 / (engine.gradient_accumulation_steps() * dp)
+        self.scale = 1.0 / (engine.gradient_accumulation_steps() * layout.dp)
         self.recent: list[float] = []  # losses of the last applied steps, the same on every rank
         self.events: list[dict] = []
         self.pending: dict | None = None
@@ -59,16 +62,14 @@ class DivergenceGuard:
     # ---- the decision, inside the optimizer step ---------------------------------------------
     def _loss_share(self) -> float:
         e = self.engine
-        if not e.is_last_stage() or e.grid.get_slice_parallel_rank() != 0 or e.total_loss is None:
+        if not self.layout.last_stage or self.layout.tp_rank != 0 or e.total_loss is None:
             return 0.0
         return float(e.total_loss)
 
     def decide(self, norm: float | None, local_nonfinite: bool = False) -> bool:
         """True when the update must not be applied. Collective over all ranks."""
-        from deepspeed.accelerator import get_accelerator
-
         flags = torch.tensor([self._loss_share(), float(local_nonfinite)], dtype=torch.float64,
-                             device=get_accelerator().current_device_name())
+                             device=self.layout.device)
         torch.distributed.all_reduce(flags)
         loss, nonfinite = flags[0].item() * self.scale, flags[1].item() > 0
         reason = None
@@ -104,9 +105,7 @@ class DivergenceGuard:
             def get_grads_for_norm(for_clipping=False):
                 grads = original(for_clipping=for_clipping)
                 if not for_clipping and self.decide(None):
-                    from deepspeed.accelerator import get_accelerator
-
-                    poison = torch.full((1,), float("nan"), device=get_accelerator().current_device_name())
+                    poison = torch.full((1,), float("nan"), device=self.layout.device)
                     non_expert, expert = grads
                     grads = (list(non_expert) + [poison], expert)
                 return grads

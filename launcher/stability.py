@@ -49,9 +49,7 @@ class StabilityLogger:
         self.interval = cfg.train.instrument_interval
         self.pad_id = cfg.model.pad_id
         self.layers = stage_layers(trainer.module, layer_plan(cfg.model))
-        grid = self.engine.grid
-        self.coords = {"stage": grid.get_stage_id(), "dp": grid.get_data_parallel_rank(),
-                       "tp": grid.get_slice_parallel_rank()}
+        self.layout = trainer.layout
         dev = eval_batches(trainer.valid_data, cfg.data.max_tokens)
         self.probe = dev[len(dev) // 2]  # typical lengths (the split is length-sorted)
         self.masks = probe_masks(self.probe["src"], self.probe["tgt_in"], self.pad_id)
@@ -62,7 +60,7 @@ class StabilityLogger:
         # layer or final LayerNorm); its wrapper returns the in-stage flow (enc, dec, src, tgt_in,
         # mask) of parallel/pipeline.py, F = dec.
         last = dict(trainer.module.named_children()).get(str(len(layer_plan(cfg.model)) - 2))
-        self.output_module = last if last is not None and self.coords["dp"] == self.coords["tp"] == 0 else None
+        self.output_module = last if last is not None and self.layout.replica == self.layout.tp_rank == 0 else None
         self.measures_delta = self.output_module is not None
         self.reference: torch.Tensor | None = None
 
@@ -82,7 +80,7 @@ class StabilityLogger:
             os.makedirs(self.metrics_dir, exist_ok=True)
             torch.save({"step": step, "output": output}, self.ref_path)
         torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        if step > 0 and int(found) == 0 and torch.distributed.get_rank() == 0:
+        if step > 0 and int(found) == 0 and self.layout.rank == 0:
             print(f"stability: no F(x, θ_0) from step 0 in {self.metrics_dir}; ‖ΔF‖ is measured "
                   f"against step {step}", flush=True)
         if step == 0:
@@ -106,9 +104,10 @@ class StabilityLogger:
     def _probe(self) -> torch.Tensor | None:
         """Forward the probe through the pipeline (eval mode); F on the stage that measures it.
 
-        The engine's forward advances the module's micro-batch counter (which seeds dropout) and
-        reseeds torch; both are restored so that turning instruments on, or resuming with them,
-        leaves the training numbers unchanged."""
+        Eval mode draws no dropout masks. The engine's forward still advances DeepSpeed's
+        micro-batch counter (which would reseed layers only with seed_layers, off here); the
+        counter and the RNG state are put back, so that turning instruments on, or resuming with
+        them, cannot change the training numbers."""
         b = self.probe
         ntok = max(int(self.out_mask.sum()), 1)
         batch = ((b["src"], b["tgt_in"]), (b["tgt_out"], torch.tensor(1.0 / ntok)))
@@ -127,10 +126,11 @@ class StabilityLogger:
         return capture.value if self.measures_delta else None
 
     def _log(self, step: int, output: torch.Tensor | None, ln: dict[str, float], grads: GradNorms | None) -> None:
-        payload = {**self.coords, "ln": ln, "grad": self._grad_parts(grads), "delta": None}
+        payload = {"stage": self.layout.stage, "dp": self.layout.replica, "tp": self.layout.tp_rank,
+                   "ln": ln, "grad": self._grad_parts(grads), "delta": None}
         if self.measures_delta:
             payload["delta"] = update_sums(output, self.reference, self.out_mask)
-        gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+        gathered = [None] * self.layout.world_size if self.layout.rank == 0 else None
         torch.distributed.gather_object(payload, gathered, dst=0)
         if gathered is not None:
             self._write(step, gathered)

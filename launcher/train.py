@@ -85,10 +85,15 @@ class Trainer:
         from data.batching import BatchStream, PairDataset
         from data.prepare import load_manifest
         from parallel.engine import build_engine, setup_distributed
+        from parallel.layout import Layout
 
         install_preemption_handler(cfg.train.stop_grace_seconds)
         set_collective_timeout(cfg.train.collective_timeout_seconds)
         setup_distributed(cfg.train.collective_timeout_seconds)
+        try:
+            self.layout = Layout.build(cfg.parallel)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         self.cfg = cfg
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
@@ -103,19 +108,17 @@ class Trainer:
         legacy, _ = (None, "") if committed else manifest.read_latest(self.ckpt_dir)
         universal = (not committed and legacy is None
                      and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
-        self.engine, self.module = build_engine(cfg, cfg.model, load_universal=universal)
-        self.dp = self.engine.grid.get_data_parallel_world_size()
-        self.dp_rank = self.engine.grid.get_data_parallel_rank()
-        self.guard = DivergenceGuard(self.engine, cfg.train, self.dp)
+        layout = self.layout
+        self.engine, self.module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir,
+                                                load_universal=universal)
+        self.guard = DivergenceGuard(self.engine, cfg.train, layout)
         metrics.install(self.engine)
-        rng.seed_dropout(cfg.train.seed, self.engine.stage_id, self.dp_rank)
-        if cfg.parallel.tensor_parallel > 1:
+        rng.seed_dropout(cfg.train.seed, layout.stage, layout.replica)
+        if layout.tp > 1:
             from parallel.tensor import seed_tensor_parallel_rng
 
-            seed_tensor_parallel_rng(cfg.train.seed + 1_000 * self.engine.stage_id + self.dp_rank,
-                                     self.module.tp.rank)
-        log0(f"pipeline partition ({cfg.parallel.pipeline_stages} stages × tensor-parallel "
-             f"{cfg.parallel.tensor_parallel} × {self.dp} replicas, "
+            seed_tensor_parallel_rng(cfg.train.seed + 1_000 * layout.stage + layout.replica, layout.tp_rank)
+        log0(f"pipeline partition ({layout.pp} stages × tensor-parallel {layout.tp} × {layout.dp} replicas, "
              f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
              f"{self.module.describe_partition()}")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"))
@@ -131,7 +134,7 @@ class Trainer:
         else:
             for tag in manifest.uncommitted_tags(self.ckpt_dir):
                 log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
         # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
         # with the step on resume.
@@ -199,7 +202,7 @@ class Trainer:
         self.stream.load_state_dict(client["data"])
         self.guard.load_state_dict(client.get("guard"))
         tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
-        rank = torch.distributed.get_rank()
+        rank = self.layout.rank
         if not rng.load(tag_dir, rank):  # only unverified checkpoints get here without one
             print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout "
                   "or an older version): this rank's dropout masks start afresh", flush=True)
@@ -207,16 +210,14 @@ class Trainer:
 
     def weights_finite(self) -> bool:
         """All ranks agree whether every loaded parameter is finite."""
-        from deepspeed.accelerator import get_accelerator
-
         bad = any(not bool(torch.isfinite(p).all()) for p in self.module.parameters())
-        flag = torch.tensor([int(bad)], dtype=torch.int32, device=get_accelerator().current_device_name())
+        flag = torch.tensor([int(bad)], dtype=torch.int32, device=self.layout.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return not bool(flag.item())
 
     def set_aside(self, tags: list[str]) -> None:
         torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             aside = os.path.join(self.ckpt_dir, "damaged")
             os.makedirs(aside, exist_ok=True)
             for tag in tags:
@@ -253,13 +254,13 @@ class Trainer:
         tag_dir = os.path.join(self.ckpt_dir, tag)
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
                   "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
         torch.distributed.barrier()
-        rng.save(tag_dir, torch.distributed.get_rank())
+        rng.save(tag_dir, self.layout.rank)
         self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client, save_latest=False)
         manifest.commit(self.ckpt_dir, tag, self.step)
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "config.json"), "w") as f:
                 json.dump(to_dict(self.cfg), f, indent=2)
             tags = manifest.committed_tags(self.ckpt_dir)  # newest first
@@ -273,9 +274,10 @@ class Trainer:
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> dict:
         m = self.cfg.train.micro_batches
-        batches = self.stream.next_step(m * self.dp)
+        dp, replica = self.layout.dp, self.layout.replica
+        batches = self.stream.next_step(m * dp)
         total = sum(int(b["ntokens"]) for b in batches)
-        mine = to_pipe(batches[self.dp_rank * m:(self.dp_rank + 1) * m], m * self.dp, total)
+        mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
         set_training_step(self.step_blocks, self.step)
         start = time.perf_counter()
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
@@ -296,8 +298,8 @@ class Trainer:
 
         batches = eval_batches(self.valid_data, self.cfg.data.max_tokens)
         total = sum(int(b["ntokens"]) for b in batches)
-        mine = batches[self.dp_rank::self.dp]
-        scale_num = len(mine) * self.dp
+        mine = batches[self.layout.replica::self.layout.dp]
+        scale_num = len(mine) * self.layout.dp
         pipe_batches = to_pipe(mine, scale_num, total)
         if not pipe_batches:  # more replicas than dev batches: contribute zero
             pipe_batches = [(batches[0]["src"], batches[0]["tgt_in"]),
@@ -382,7 +384,7 @@ class Trainer:
         event["rolled_back_to"] = self.step
         self.guard.events = events
         set_training_step(self.step_blocks, self.step)
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
         log0(f"step {bad_step}: {event['reason']}; rolled back to step {self.step} and skipped the data of "
              f"steps {self.step + 1}..{bad_step} (event {len(events)})")
@@ -391,7 +393,7 @@ class Trainer:
         """Checkpoint the current step on every rank, leave the marker, exit for a requeue."""
         path = os.path.join(self.ckpt_dir, f"step{self.step}") if already_saved else self.save()
         name = procs.stop.signal_name or PREEMPT_SIGNAL.name
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, PREEMPTED_MARKER), "w") as f:
                 json.dump({"step": self.step, "checkpoint": path, "signal": name,
                            "time": time.time()}, f, indent=2)
@@ -413,10 +415,10 @@ class Trainer:
             "checkpoint": os.path.join(self.ckpt_dir, f"step{self.step}"),
             "divergence_events": len(self.guard.events),
             "divergence": self.guard.events[-20:],
-            "layout": {"pipeline_stages": self.cfg.parallel.pipeline_stages,
-                       "tensor_parallel": self.cfg.parallel.tensor_parallel, "data_parallel": self.dp},
+            "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
+                       "data_parallel": self.layout.dp},
         }
-        if torch.distributed.get_rank() == 0:
+        if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             print("\n== summary ==", flush=True)

@@ -81,6 +81,7 @@ def check_fields(obj, section: str) -> None:
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
+Seed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # numpy's generators take 32-bit seeds
 Probability = Annotated[float, Range(ge=0.0, lt=1.0)]
 Norm = Literal["deepnorm", "deepnorm-xavier-1.15", "deepnorm-torchscale", "postln", "preln", "postln-init", "subln", "branchnorm"]
 """The strategies of model/norms.py (a test keeps the two lists equal)."""

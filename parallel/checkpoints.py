@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -221,17 +222,18 @@ def load_model(source: str, tag: str | None = None) -> LoadedModel:
 # ---- resharding -------------------------------------------------------------------------------
 
 def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: int,
-            tag: str | None = None, max_steps: int | None = None) -> str:
+            tag: str | None = None, max_steps: int | None = None, *,
+            check_config: Callable[[dict], None]) -> str:
     """Convert a checkpoint to a universal one in a new run directory laid out as
     `pipeline_stages` × `data_parallel`; returns the config to resume it with
     (`./run.sh train <out_run_dir>/config.yaml`).
 
     The global batch is kept (micro_batches × data_parallel), so the resumed run draws the same
     batches as the original would have. The data folder is linked, not copied. `max_steps`
-    replaces train.max_steps (a finished run needs a higher one to continue).
+    replaces train.max_steps (a finished run needs a higher one to continue). `check_config`
+    receives the new run config (a dict) before anything is written and raises ValueError, naming
+    the key, when it cannot be trained (the launcher passes its config validation).
     """
-    from launcher.config import ConfigError, RunConfig, from_dict, validate
-
     run_dir, tag_dir, tag = locate(source, tag)
     meta = checkpoint_meta(tag_dir)
     if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
@@ -254,8 +256,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
     if max_steps is not None:
         run_cfg["train"]["max_steps"] = max_steps
     try:
-        validate(from_dict(RunConfig, run_cfg, "the resharded config"), "the resharded config")
-    except ConfigError as e:
+        check_config(run_cfg)
+    except ValueError as e:
         raise CheckpointError(str(e)) from None
 
     ckpt_dir = os.path.join(out_run_dir, "checkpoints")

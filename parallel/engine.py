@@ -10,9 +10,10 @@ import subprocess
 
 import torch
 
-from launcher.config import RunConfig
 from model.config import ModelConfig
 from parallel.accelerator import HOST
+from parallel.config import ParallelConfig, TrainConfig
+from parallel.layout import Layout
 
 
 def free_port() -> int:
@@ -88,7 +89,7 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
                                auto_mpi_discovery=False, verbose=False, **timeout)
 
 
-def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:
+def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON config derived from the run config.
 
     Batches are token-budgeted, so DeepSpeed's 'micro batch size' is nominal (1): it is used only
@@ -96,7 +97,6 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:
     `load_universal`: the checkpoint to resume is a universal one (another layout's, converted by
     parallel/checkpoints.py reshard); DeepSpeed then reads weights and Adam moments by name.
     """
-    p, t = cfg.parallel, cfg.train
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": t.micro_batches,
@@ -112,9 +112,9 @@ def deepspeed_config(cfg: RunConfig, load_universal: bool = False) -> dict:
         "wall_clock_breakdown": False,
         "checkpoint": {"load_universal": load_universal},
         # DeepSpeed's monitors write our events on global rank 0: TensorBoard and one CSV per metric.
-        "tensorboard": {"enabled": True, "output_path": os.path.join(cfg.run_dir, "tensorboard"),
+        "tensorboard": {"enabled": True, "output_path": os.path.join(run_dir, "tensorboard"),
                         "job_name": "train"},
-        "csv_monitor": {"enabled": True, "output_path": os.path.join(cfg.run_dir, "metrics"),
+        "csv_monitor": {"enabled": True, "output_path": os.path.join(run_dir, "metrics"),
                         "job_name": "train"},
         "pipeline": {
             "activation_checkpoint_interval": p.activation_checkpoint_interval,
@@ -155,34 +155,29 @@ def adamw(params, t) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kwargs)
 
 
-def build_engine(cfg: RunConfig, model_cfg: ModelConfig, load_universal: bool = False):
-    """Build the pipeline module, the optimizer, the LR schedule and DeepSpeed's engine."""
+def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: TrainConfig, run_dir: str,
+                 load_universal: bool = False):
+    """Build this rank's pipeline module on `layout`, the optimizer, the LR schedule and
+    DeepSpeed's engine."""
     import deepspeed
 
-    from parallel.grid import Grid
     from parallel.pipeline import TranslationPipe
     from parallel.tensor import TensorParallel
 
-    p, t = cfg.parallel, cfg.train
-    grid = Grid(p.pipeline_stages, p.tensor_parallel, p.data_parallel)
-    try:
-        grid.check(torch.distributed.get_world_size(), model_cfg.heads, model_cfg.ffn_dim, model_cfg.vocab_size)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    topology = grid.build()
     tp = None
-    if p.tensor_parallel > 1:
+    if layout.tp > 1:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.precision]
-        tp = TensorParallel.create(p.tensor_parallel, p.pipeline_stages, dtype)
+        tp = TensorParallel.create(layout, dtype)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
-        module = TranslationPipe(model_cfg, topology=topology, seed=t.seed, partition_method=p.partition_method,
+        module = TranslationPipe(model_cfg, topology=layout.topology, seed=t.seed, partition_method=p.partition_method,
                                  activation_checkpoint_interval=p.activation_checkpoint_interval, tp=tp)
     optimizer = adamw(module.parameters(), t)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
+    config = deepspeed_config(p, t, run_dir, load_universal)
     if p.schedule == "zb-h1":  # DeepSpeed's engine subclassed for the zero-bubble schedule
         from parallel.zero_bubble import initialize
-        engine = initialize(module, optimizer, scheduler, deepspeed_config(cfg, load_universal))
+        engine = initialize(module, optimizer, scheduler, config)
     else:
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config(cfg, load_universal))
+                                               config=config)
     return engine, module

@@ -481,7 +481,3 @@ def search(cfg: ModelConfig, gpus: int, dev: Device, mfu: float, **kwargs) -> tu
     plans = [plan(cfg, layout, dev, mfu) for layout in candidate_layouts(cfg, gpus, dev, **kwargs)]
     fits = sorted((p for p in plans if p.peak_bytes <= dev.usable_bytes()), key=lambda p: -p.tokens_per_s)
     return fits, [p for p in plans if p.peak_bytes > dev.usable_bytes()]
-
-
-def with_vocab(cfg: ModelConfig, vocab: int) -> ModelConfig:
-    return dataclasses.replace(cfg, vocab_size=cfg.vocab_size or vocab)

@@ -9,8 +9,9 @@ Xavier fans are those of the full matrix.
 Dropout inside tensor-parallel regions (attention probabilities of the local heads, FFN
 activations of the local columns) draws from DeepSpeed's model-parallel RNG tracker, seeded per
 tensor-parallel rank and saved/restored by DeepSpeed's activation checkpointing on CPU and GPU.
-Dropout on the replicated residual stream uses the default RNG, which DeepSpeed's per-layer
-seeding keeps identical across tensor-parallel ranks, as the replicated activations require.
+Dropout on the replicated residual stream uses the default RNG, which the trainer seeds from the
+stage and replica only (parallel/rng.py; DeepSpeed's per-layer seeding is off), so it is identical
+across the tensor-parallel ranks of a stage, as the replicated activations require.
 
 `SHARD_DIM` tells, per parameter name suffix, along which dimension a parameter is split (None:
 replicated), for consolidating a tensor-parallel checkpoint.
@@ -54,14 +55,14 @@ class TensorParallel:
     config: object
 
     @classmethod
-    def create(cls, size: int, pipeline_stages: int, dtype: torch.dtype) -> "TensorParallel":
-        parallel_state, _, ModelParallelConfig = megatron()
-        config = ModelParallelConfig(tensor_model_parallel_size=size, pipeline_model_parallel_size=pipeline_stages,
+    def create(cls, layout, dtype: torch.dtype) -> "TensorParallel":
+        """This rank's context on a parallel/layout.py Layout (whose groups are megatron's)."""
+        _, _, ModelParallelConfig = megatron()
+        config = ModelParallelConfig(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
                                      use_cpu_initialization=True, perform_initialization=False,
                                      params_dtype=dtype, pipeline_dtype=dtype,
                                      gradient_accumulation_fusion=False)
-        group = parallel_state.get_tensor_model_parallel_group()
-        return cls(size, torch.distributed.get_rank(group), group, config)
+        return cls(layout.tp, layout.tp_rank, layout.tensor_group, config)
 
     def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         return full.chunk(self.size, dim=dim)[self.rank].clone()
@@ -75,8 +76,9 @@ def rng_fork():
 
 
 def seed_tensor_parallel_rng(seed: int, tp_rank: int) -> None:
-    """Seed the model-parallel RNG state: different per tensor-parallel rank, same across replicas
-    and stages of the same rank (DeepSpeed's convention: seed + 2718 + tp_rank)."""
+    """Seed the model-parallel RNG state with `seed` + 2718 + tp_rank (DeepSpeed's convention):
+    different per tensor-parallel rank. The trainer passes a seed that differs per stage and
+    replica (launcher/train.py), so no two stages or replicas draw the same sharded masks."""
     from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()

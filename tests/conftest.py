@@ -47,7 +47,7 @@ def write_run_config(path: str, run_dir: str, data_dir: str, **sections) -> str:
 
 def launch(world_size: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     """Run `script` under the real deepspeed launcher with `world_size` local ranks."""
-    from launcher.cli import deepspeed_command, launch_env
+    from launcher.launch import deepspeed_command, launch_env
 
     env = launch_env(world_size)
     env["OMP_NUM_THREADS"] = "1"

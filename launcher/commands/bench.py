@@ -6,7 +6,7 @@ import importlib
 
 HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU)"
 
-TARGETS = {"data": "data.bench", "train": "launcher.bench_layouts"}
+TARGETS = {"data": "launcher.bench_data", "train": "launcher.bench_layouts"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

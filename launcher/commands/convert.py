@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from launcher.config import check_run_config
     from parallel.checkpoints import CheckpointError, consolidate, locate, reshard
 
     start = time.perf_counter()
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{time.perf_counter() - start:.1f} s; use it with ./run.sh translate {out} --to LANG")
         else:
             config = reshard(args.source, args.out_run_dir, args.pipeline_stages, args.data_parallel,
-                             args.tag, args.max_steps)
+                             args.tag, args.max_steps,
+                             check_config=lambda run_cfg: check_run_config(run_cfg, "the resharded config"))
             print(f"wrote a universal checkpoint for {args.pipeline_stages} stages × {args.data_parallel} "
                   f"replicas in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {config}")
     except CheckpointError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from launcher.cli import DEFAULT_CONFIG
+from launcher.launch import DEFAULT_CONFIG
 from launcher.config import load_config
 from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
+from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 from launcher.preflight import check_device, check_resume, check_run_dir
 from launcher.procs import PREEMPTED_EXIT_CODE, die_with_parent_shell, supervise

@@ -65,7 +65,7 @@ def main() -> None:
     torch.distributed.barrier()
     second = Trainer(load_config(os.path.join(resharded, "config.yaml")), max_steps=args.steps)
     result["resumed_from"] = second.step
-    result["resumed_layout"] = [second.engine.num_stages, second.dp, second.cfg.train.micro_batches]
+    result["resumed_layout"] = [second.engine.num_stages, second.layout.dp, second.cfg.train.micro_batches]
     result["resumed"] = losses(second, args.steps)
 
     tp_cfg = copy.deepcopy(cfg)

@@ -199,7 +199,7 @@ def rollback_reference(cfg, run_dir: str, from_step: int, skip: int, n: int) -> 
     barrier()
     t = Trainer(cfg, max_steps=from_step + n)
     assert t.step == from_step
-    m = cfg.train.micro_batches * t.dp
+    m = cfg.train.micro_batches * t.layout.dp
     for _ in range(skip):
         t.stream.next_step(m)
     return steps(t, n)

@@ -68,10 +68,9 @@ def train_and_resume(cfg, steps: int, save_at: int, dump_params: str | None = No
     first = Trainer(cfg, max_steps=steps)
     result = {"uninterrupted": record_steps(first, steps, save_at),
               "partition": [int(x) for x in first.module.parts]}
-    if dump_params and first.dp_rank == 0:
+    if dump_params and first.layout.replica == 0:
         state = {k: v.detach().cpu() for k, v in first.module.state_dict().items() if torch.is_tensor(v)}
-        tp_rank = first.engine.grid.get_slice_parallel_rank()
-        torch.save(plain_state_dict(cfg.model, state), f"{dump_params}.stage{first.engine.stage_id}.tp{tp_rank}.pt")
+        torch.save(plain_state_dict(cfg.model, state), f"{dump_params}.stage{first.layout.stage}.tp{first.layout.tp_rank}.pt")
     resumed = copy.deepcopy(cfg)
     resumed.run_dir = cfg.run_dir + "-resumed"
     fresh_run_dir(resumed.run_dir, data_dir, cfg.run_dir, f"step{save_at}")

@@ -37,10 +37,9 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     trainer = Trainer(cfg, max_steps=steps)
     result = record_steps(trainer, steps, None)
     result["engine"] = type(trainer.engine).__name__
-    if trainer.dp_rank == 0:
+    if trainer.layout.replica == 0:
         state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
-        tp_rank = trainer.engine.grid.get_slice_parallel_rank()
-        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.engine.stage_id}.tp{tp_rank}.pt")
+        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.layout.stage}.tp{trainer.layout.tp_rank}.pt")
     return result
 
 

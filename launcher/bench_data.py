@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.spm import load_tokenizer, train_spm, write_sample
     from data.validate import check_shard, deduplicate
     from data.workers import run_tasks, worker_count
-    from launcher.cli import DEFAULT_CONFIG
+    from launcher.launch import DEFAULT_CONFIG
     from launcher.config import load_config
 
     parser = argparse.ArgumentParser(prog="run.sh bench data", description=__doc__.splitlines()[0])

@@ -1,0 +1,110 @@
+"""The run configuration's sections that parallel/ owns: how the model is laid out over
+processes (`parallel`) and how it is optimised (`train`). Each field declares what it accepts in
+its annotation (model/config.py's Range/Rule, Literal); launcher/config.py reads them from YAML
+and checks the rules across sections."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from model.config import NonNegative, Positive, Range, Rule, Seed
+
+
+def _partition_method_ok(method: str) -> bool:
+    if method in ("cost", "parameters", "uniform"):
+        return True
+    if not method.startswith("type:") or not method[len("type:"):]:
+        return False
+    try:
+        re.compile(method[len("type:"):])
+    except re.error:
+        return False
+    return True
+
+
+PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
+                                      "(a valid regular expression)")]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is laid out over processes."""
+
+    pipeline_stages: Positive = 1
+    """pp: number of pipeline stages (depth partitions)."""
+    tensor_parallel: Positive = 1
+    """tp: megatron-core tensor parallelism inside each stage (heads, FFN columns and the
+    vocabulary are split tp ways; tp must divide model.heads, model.ffn_dim and the vocabulary)."""
+    data_parallel: Positive = 1
+    """dp: number of model replicas. Processes launched = pipeline_stages × tensor_parallel ×
+    data_parallel."""
+    zero_stage: Literal[0, 1] = 1
+    """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. Stage 1 also gives the correct
+    global gradient norm under pp > 1 (DeepSpeed's fp32 stage-0 path does not)."""
+    activation_checkpoint_interval: NonNegative = 0
+    """Recompute activations every this many layers in backward (0 = off)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """fp32 | bf16 | fp16 (bf16 on GPUs; on CPUs without bf16 instructions it is ~3× slower)."""
+    partition_method: PartitionMethod = "cost"
+    """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
+    parameters | uniform | type:REGEX (DeepSpeed's methods)."""
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
+    the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
+    idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and bookkeeping."""
+
+    max_steps: Positive = 1000
+    """Optimizer steps to run."""
+    micro_batches: Positive = 1
+    """Micro-batches per optimizer step per replica (DeepSpeed gradient_accumulation_steps)."""
+    lr: Annotated[float, Range(gt=0.0)] = 5e-4
+    """Peak learning rate, reached at the end of the warm-up."""
+    warmup_steps: NonNegative = 4000
+    """Linear warm-up length; afterwards lr decays as 1/sqrt(step) (inverse square root)."""
+    adam_betas: Annotated[tuple[float, float], Range(ge=0.0, lt=1.0)] = (0.9, 0.98)
+    """Adam β₁, β₂."""
+    adam_eps: Annotated[float, Range(gt=0.0)] = 1e-8
+    """Adam ε."""
+    weight_decay: Annotated[float, Range(ge=0.0)] = 0.0
+    """Decoupled weight decay (AdamW)."""
+    clip_norm: Annotated[float, Range(ge=0.0)] = 0.0
+    """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
+    seed: Seed = 1
+    """Seed of the weights (layer i uses seed + i) and of the data order."""
+    log_interval: Positive = 10
+    """Print loss, lr, gradient norm and tokens/s every this many steps."""
+    valid_interval: Positive = 100
+    """Compute the validation loss every this many steps (and at the end)."""
+    save_interval: Positive = 500
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: Positive = 2
+    """Checkpoints kept on disk (oldest deleted first)."""
+    instrument_interval: NonNegative = 0
+    """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
+    norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
+    # ---- fault tolerance (launcher/procs.py, launcher/guard.py, parallel/manifest.py) ----
+    collective_timeout_seconds: Annotated[float, Range(gt=0.0)] = 600.0
+    """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on
+    every rank still alive, so a rank that dies ends the job instead of leaving the others hanging
+    (torch.distributed's timeout). Must exceed the slowest checkpoint save and resume."""
+    stop_grace_seconds: Annotated[float, Range(gt=0.0)] = 25.0
+    """After SIGTERM (kill, scancel, SLURM's time limit) the ranks finish the step, checkpoint and
+    exit; a rank still running this many seconds later exits without a checkpoint. Keep it below
+    SLURM's KillWait (30 s by default)."""
+    divergence_policy: Literal["stop", "skip", "rollback"] = "stop"
+    """What a non-finite loss or gradient norm, or a loss spike, does (the update is never applied):
+    stop (exit with a message) | skip (drop the batch, keep the weights) | rollback (reload the last
+    good checkpoint and skip the data since it)."""
+    divergence_spike_factor: Annotated[float, Rule(lambda v: v == 0 or v > 1, "must be > 1, or 0 to turn the spike check off")] = 4.0
+    """A loss above this factor × the median of the last `divergence_window` applied steps' losses
+    is a spike (0 = no spike check)."""
+    divergence_window: Positive = 20
+    """Applied steps whose losses form the median of the spike check (checked once it is full)."""
+    divergence_max_events: Positive = 10
+    """With skip or rollback: stop after this many divergence events in one run."""
