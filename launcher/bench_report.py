@@ -212,6 +212,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
         "params": [r["params"] for r in result["ranks"]], "last_loss": steps[-1]["loss"],
     }
     row.update(compare_with_plain(result))
+    row.update(schedule_stats(result))
     if "profile" in result["ranks"][0]:
         row["profile"] = result["ranks"][0]["profile"]
     mfu = f"MFU {row['mfu']:.1%}" if row["mfu"] is not None else "MFU n/a"
@@ -267,6 +268,7 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                      f"| {_pct(r['hfu'])} | {_ratio(r.get('trainer_over_plain'))} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
                      f"| {_pct(r['padding'])} | {r.get('load_after', float('nan')):.1f} |")
     lines += breakdown_table(rows)
+    lines += schedule_table(rows)
     profiled = [r for r in rows if "profile" in r]
     for r in profiled:
         p = r["profile"]
@@ -274,6 +276,47 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                   f"{_pct(p['attention'])}, other {_pct(p['other'])} of operator self time; top operators: "
                   + ", ".join(f"{name} {_pct(share)}" for name, share in p["top"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+def schedule_stats(result: dict) -> dict:
+    """Pipeline schedule comparison (1F1B vs ZB-H1), per stage: the measured bubble (idle
+    fraction of the step's pipeline phase, mean over steps and the stage's ranks), the busy CPU
+    seconds of forward, backward and weight passes per step, and the peak bytes of live tensors
+    over one step (`live_tensor_memory` in launcher/bench_worker.py)."""
+    pp = result["layout"]["pp"]
+    bubble, busy, live = [[] for _ in range(pp)], [[] for _ in range(pp)], [0.0] * pp
+    for rank in result["ranks"]:
+        s = rank["stage"]
+        for inst in rank["instructions"]:
+            phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
+            work = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
+            if phase > 0:
+                bubble[s].append(1.0 - work / phase)
+                busy[s].append(work)
+        if rank.get("live_memory"):
+            live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
+    return {"schedule": result["layout"].get("schedule", "1f1b"),
+            "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
+            "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
+            "stage_live_peak_mb": live}
+
+
+def schedule_table(rows: list[dict]) -> list[str]:
+    """1F1B and ZB-H1 side by side, per stage (only when the grid has more than one schedule)."""
+    if len({r.get("schedule", "1f1b") for r in rows}) < 2:
+        return []
+    lines = ["", "Pipeline schedules per stage: measured bubble (idle fraction of the pipeline phase), busy seconds "
+             "(forward + backward + weight passes, wall) per step, peak RSS above the baseline, peak of live tensors "
+             "over one step (torch.profiler allocation tracking).", "",
+             "| layout | schedule | step s (median) | bubble per stage | busy s per stage | peak RSS MB per stage "
+             "| live tensors MB per stage |", "|---" * 7 + "|"]
+    for r in rows:
+        def cells(values, fmt):
+            return " / ".join("n/a" if v is None else format(v, fmt) for v in values)
+        lines.append(f"| {r['layout']} | {r.get('schedule', '1f1b')} | {r['step_s_median']:.2f} "
+                     f"| {cells(r['stage_bubble'], '.2f')} | {cells(r['stage_busy_s'], '.2f')} "
+                     f"| {cells(r['stage_peak_mb'], '.0f')} | {cells(r['stage_live_peak_mb'], '.0f')} |")
+    return lines
 
 
 def _ratio(x: float | None) -> str:

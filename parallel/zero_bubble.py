@@ -47,9 +47,16 @@ class WeightGradStore:
 
     Work is deferred only inside `collect(k)` (the engine's BackwardPass of micro-batch k); a
     backward anywhere else computes weight gradients at once, as plain autograd would.
+
+    Only the matmul weight gradients (dW = gᵀ·x of linears and of the tied output projection) are
+    deferred by default. The cheap ones (biases, LayerNorm affines, the embedding lookup) are
+    computed inside B: deferring them would gain the schedule almost no time and hold each
+    one's input and output gradient until W (a LayerNorm's are as large as a linear's).
+    `defer_cheap=True` defers those too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, defer_cheap: bool = False) -> None:
+        self.defer_cheap = defer_cheap
         self._open: list[Callable[[], None]] | None = None
         self._groups: dict[int, list[Callable[[], None]]] = {}
 
@@ -61,15 +68,24 @@ class WeightGradStore:
         finally:
             self._open = None
 
-    def defer(self, work: Callable[[], None]) -> None:
-        if self._open is None:
-            work()
-        else:
+    def deferring(self, cheap: bool = False) -> bool:
+        """Whether weight-gradient work of this kind is deferred now."""
+        return self._open is not None and (self.defer_cheap or not cheap)
+
+    def defer(self, work: Callable[[], None], cheap: bool = False) -> None:
+        if self.deferring(cheap):
             self._open.append(work)
+        else:
+            work()
 
     def run(self, micro_batch: int) -> None:
-        for work in self._groups.pop(micro_batch, []):
-            work()
+        group = self._groups.pop(micro_batch, [])
+        # Outside backward grad mode is on: without no_grad autograd would record each dW = gᵀ·x
+        # (x is an activation that requires grad) and the .grad it accumulates into would keep
+        # every micro-batch's x and g alive until the optimizer step clears the gradients.
+        with torch.no_grad():
+            while group:  # drop each closure (and the tensors it holds) as soon as it has run
+                group.pop(0)()
 
     def flush(self) -> None:
         for micro_batch in sorted(self._groups):
@@ -87,12 +103,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _linear_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    g2 = g.reshape(-1, g.size(-1))
+def _linear_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.requires_grad:
-        _accumulate(weight, g2.t().mm(x.reshape(-1, x.size(-1))))
-    if bias is not None and bias.requires_grad:
-        _accumulate(bias, g2.sum(0))
+        _accumulate(weight, g.reshape(-1, g.size(-1)).t().mm(x.reshape(-1, x.size(-1))))
+
+
+def _bias_grad(g: torch.Tensor, bias: torch.Tensor) -> None:
+    if bias.requires_grad:
+        _accumulate(bias, g.reshape(-1, g.size(-1)).sum(0))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -108,7 +126,9 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         gx = g.matmul(ctx.weight) if ctx.needs_input_grad[0] else None
-        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight, ctx.bias))
+        if ctx.bias is not None:
+            ctx.store.defer(functools.partial(_bias_grad, g, ctx.bias), cheap=True)
+        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight))
         return gx, None, None, None
 
 
@@ -127,6 +147,14 @@ class _SplitLayerNorm(torch.autograd.Function):
     def backward(ctx, g):
         x, mean, rstd = ctx.saved_tensors
         w, b, shape = ctx.weight, ctx.bias, ctx.shape
+        if not ctx.store.deferring(cheap=True):  # all three in one call, as autograd does
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                g, x, shape, mean, rstd, w, b, [ctx.needs_input_grad[0], w is not None, b is not None])
+            if w is not None and w.requires_grad:
+                _accumulate(w, gw)
+            if b is not None and b.requires_grad:
+                _accumulate(b, gb)
+            return gx, None, None, None, None, None
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, False, False])[0]
@@ -139,7 +167,7 @@ class _SplitLayerNorm(torch.autograd.Function):
             if b is not None and b.requires_grad:
                 _accumulate(b, gb)
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return gx, None, None, None, None, None
 
 
@@ -161,7 +189,7 @@ class _SplitEmbedding(torch.autograd.Function):
             _accumulate(weight, torch.ops.aten.embedding_dense_backward(
                 g, tokens, weight.size(0), -1 if pad is None else pad, False))
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return None, None, None, None
 
 
@@ -184,7 +212,7 @@ class _SplitAffine(torch.autograd.Function):
             _accumulate(weight, (g * x).sum(dims))
             _accumulate(bias, g.sum(dims))
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return g * weight, None, None, None
 
 
@@ -199,7 +227,7 @@ class _SplitBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         bias = ctx.bias
-        ctx.store.defer(lambda: _accumulate(bias, g.sum(tuple(range(g.dim() - 1)))))
+        ctx.store.defer(lambda: _accumulate(bias, g.sum(tuple(range(g.dim() - 1)))), cheap=True)
         return g, None, None
 
 

@@ -18,11 +18,11 @@ def _cfg(norm: str) -> ModelConfig:
                        dropout=0.0, vocab_size=50)
 
 
-def _pair(cfg: ModelConfig, kind: str):
+def _pair(cfg: ModelConfig, kind: str, defer_cheap: bool = True):
     torch.manual_seed(3)
     plain = build_layer(cfg, kind, 1)
     split = copy.deepcopy(plain)
-    store = WeightGradStore()
+    store = WeightGradStore(defer_cheap=defer_cheap)
     split_weight_gradients(split, store)
     return plain, split, store
 
@@ -58,9 +58,34 @@ def test_split_layer_defers_weight_gradients_and_equals_autograd(norm, kind):
         torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=1e-7)
     # B computed no weight gradient; W is waiting in the store
     assert all(p.grad is None for p in split.parameters())
-    assert store.pending() == sum(1 for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
+    assert store.pending() == sum(1 + (m.bias is not None) if isinstance(m, torch.nn.Linear) else 1
+                                  for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
     store.run(0)
     assert store.pending() == 0
+    _assert_same_grads(plain, split)
+
+
+@pytest.mark.parametrize("norm", ["deepnorm", "subln"])
+def test_default_store_defers_only_matmul_weight_gradients(norm):
+    """Biases and LayerNorm affines get their gradients in B; each linear's dW waits for W."""
+    cfg = _cfg(norm)
+    plain, split, store = _pair(cfg, "decoder", defer_cheap=False)
+    torch.manual_seed(4)
+    x, enc = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    mask = source_mask(torch.randint(1, 50, (2, 7)), cfg.pad_id)
+    grad = torch.randn(2, 5, 32)
+    plain(x, enc, mask).backward(grad)
+    with store.collect(0):
+        split(x, enc, mask).backward(grad)
+    linears = [m for m in split.modules() if isinstance(m, torch.nn.Linear)]
+    assert store.pending() == len(linears)
+    matmul_weights = {id(m.weight) for m in linears}
+    for (name, a), (_, b) in zip(plain.named_parameters(), split.named_parameters()):
+        if id(b) in matmul_weights:
+            assert b.grad is None, name
+        else:  # computed inside B, equal to autograd's
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+    store.run(0)
     _assert_same_grads(plain, split)
 
 
