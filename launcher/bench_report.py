@@ -122,6 +122,8 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
+    if layout.get("partition", "cost") != "cost":
+        return None  # the planner partitions by the cost model (parallel/pipeline.py layer_costs)
     dev = cpu_device(env.peaks["fp32"], env.memory_bytes)
     plan_layout = planner_layout(layout, shape)
     return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
@@ -298,7 +300,35 @@ def schedule_stats(result: dict) -> dict:
     return {"schedule": result["layout"].get("schedule", "1f1b"),
             "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
             "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
-            "stage_live_peak_mb": live}
+            "stage_live_peak_mb": live, **replayed_pipeline(result)}
+
+
+def replayed_pipeline(result: dict) -> dict:
+    """The pipeline phase replayed from CPU time: each stage's mean CPU seconds per micro-batch of
+    forward, backward and weight pass (its ranks' mean over the measured steps) put on the
+    schedule's dependency graph (parallel/zb_timeline.py, transfers free). Other processes on a
+    shared machine stretch wall time and so the measured bubble; they barely change CPU time,
+    so this is the schedule's own bubble and step time at the measured op costs.
+
+    1F1B's backward is one op (B + W); ZB-H1's first stage computes W inside its backward."""
+    from parallel.zb_timeline import ORDERS, simulate
+
+    layout = result["layout"]
+    pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
+    per_stage: list[list[dict]] = [[] for _ in range(pp)]
+    for rank in result["ranks"]:
+        per_stage[rank["stage"]].extend(rank.get("instructions_cpu") or [])
+    if not all(per_stage):
+        return {"replay_step_s": None, "replay_bubble": None}
+    costs = []
+    for steps in per_stage:
+        f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
+                   for k in ("ForwardPass", "BackwardPass", "WeightPass"))
+        costs.append({"F": f, "B": b, "W": w, "BW": b + w})
+    timeline = simulate(pp, m, costs, ORDERS[schedule])
+    span = max(ops[-1][1] for ops in timeline)
+    idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
+    return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs}
 
 
 def schedule_table(rows: list[dict]) -> list[str]:
@@ -307,14 +337,16 @@ def schedule_table(rows: list[dict]) -> list[str]:
         return []
     lines = ["", "Pipeline schedules per stage: measured bubble (idle fraction of the pipeline phase), busy seconds "
              "(forward + backward + weight passes, wall) per step, peak RSS above the baseline, peak of live tensors "
-             "over one step (torch.profiler allocation tracking).", "",
-             "| layout | schedule | step s (median) | bubble per stage | busy s per stage | peak RSS MB per stage "
-             "| live tensors MB per stage |", "|---" * 7 + "|"]
+             "over one step (torch.profiler allocation tracking); the CPU replay puts each stage's mean CPU seconds of "
+             "F, B and W on the schedule's dependency graph (load-independent).", "",
+             "| layout | schedule | step s (median) | bubble per stage | busy s per stage | CPU replay: pipeline s, bubble "
+             "| peak RSS MB per stage | live tensors MB per stage |", "|---" * 8 + "|"]
     for r in rows:
         def cells(values, fmt):
             return " / ".join("n/a" if v is None else format(v, fmt) for v in values)
         lines.append(f"| {r['layout']} | {r.get('schedule', '1f1b')} | {r['step_s_median']:.2f} "
                      f"| {cells(r['stage_bubble'], '.2f')} | {cells(r['stage_busy_s'], '.2f')} "
+                     f"| {cells([r['replay_step_s']], '.3f')}, {cells([r['replay_bubble']], '.3f')} "
                      f"| {cells(r['stage_peak_mb'], '.0f')} | {cells(r['stage_live_peak_mb'], '.0f')} |")
     return lines
 

@@ -53,7 +53,7 @@ LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "zero": ("parallel", "zero_stage"),
                "max_tokens": ("data", "max_tokens"), "micro_batches": ("train", "micro_batches"),
-               "schedule": ("parallel", "schedule")}
+               "schedule": ("parallel", "schedule"), "partition": ("parallel", "partition_method")}
 
 
 def _on_cpu() -> bool:
@@ -323,6 +323,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         if i:
             steps.append({"seconds": out["seconds"], "tokens": out["tokens"], "loss": out["loss"],
                           "instructions": {**wall, "train_batch": out["seconds"], "cpu_seconds": step_cpu},
+                          "instructions_cpu": dict(cpu),
                           "breakdown": breakdown(step_cpu, parts, cpu)})
         if twin is not None:
             step = global_batches[-1]
@@ -334,6 +335,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     mine = {"rank": rank, "stage": trainer.engine.stage_id, "dp_rank": trainer.dp_rank,
             "baseline_bytes": baseline, "peak_bytes": peak, "live_memory": live, "params": sum(p.numel() for p in trainer.module.parameters()),
             "instructions": [s.pop("instructions") for s in steps],
+            "instructions_cpu": [s.pop("instructions_cpu") for s in steps],
             "breakdown": [s.pop("breakdown") for s in steps], "plain": plain or None}
     if profile_dir and torch.distributed.get_world_size() == 1:
         mine["profile"] = profile_step(trainer, os.path.join(profile_dir, f"{layout['name']}.profile.txt"))

@@ -264,24 +264,22 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
 def weight_grad_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int, tgt_len: int,
                       element: int) -> float:
     """Bytes ZB-H1 keeps per plan layer and micro-batch between its B and its W: each linear's
-    input and output gradient, each LayerNorm's input, output gradient and statistics.
+    input and output gradient (biases, LayerNorms and the embedding get their gradients in B).
 
-    Encoder layer, per source token: inputs 5d + f (attention input, shared by Q, K, V; output
-    projection; FFN fc1, fc2; two LayerNorms), gradients 7d + f. Decoder layer, per target token
-    inputs 8d + f and gradients 10d + f; per source token the cross-attention K/V input and their
-    two gradients (3d). The output layer keeps h and the gradient of the logits (V per token).
+    Encoder layer, per source token: inputs 3d + f (attention input, shared by Q, K, V; output
+    projection; fc1; fc2), gradients 5d + f. Decoder layer, per target token inputs 5d + f and
+    gradients 7d + f; per source token the cross-attention K/V input and their two gradients
+    (3d). The output layer keeps h and the gradient of the logits (V per token).
     """
     d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
     ns, nt = sequences * src_len, sequences * tgt_len
     if kind == "encoder":
-        return ns * (element * (12 * d + 2 * f) + 16)
+        return ns * element * (8 * d + 2 * f)
     if kind == "decoder":
-        return nt * (element * (18 * d + 2 * f) + 24) + ns * element * 3 * d
-    if kind == "embed":
-        return (ns + nt) * (element * d + 8)
+        return nt * element * (12 * d + 2 * f) + ns * element * 3 * d
     if kind == "output":
         return nt * element * (d + v)
-    return (ns if kind == "encoder_norm" else nt) * (element * 2 * d + 8)
+    return 0.0
 
 
 def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> dict[str, float]:
