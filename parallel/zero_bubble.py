@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from deepspeed import comm as ds_comm
+from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
@@ -419,6 +421,7 @@ class ZeroBubbleEngine(PipelineEngine):
         self.split_modules = split_weight_gradients(self.module, self.weight_grads)
         self._received_grads: dict[int, object] = {}
         self._losses: dict[int, torch.Tensor] = {}
+        self._sends: list[tuple[object, torch.Tensor]] = []
 
     def _train_schedule(self):
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
@@ -456,7 +459,42 @@ class ZeroBubbleEngine(PipelineEngine):
     def _exec_weight_pass(self, buffer_id):
         self.weight_grads.run(buffer_id)
 
+    @contextlib.contextmanager
+    def _nonblocking_sends(self):
+        """DeepSpeed's point-to-point send blocks until the peer receives (gloo and NCCL alike), so
+        a stage that finished B would idle in SendGrad until the previous stage reaches its
+        RecvGrad, instead of running its W. While a training send instruction runs, p2p.send
+        posts an isend instead; the tensors are kept until the sends complete, which is waited
+        for before the step's reductions. Receives stay blocking and every send is posted in the
+        order of the blocking schedule, so the transfer order on each link is unchanged."""
+        if not self.module.training:
+            yield
+            return
+        blocking = ds_p2p.send
+
+        def isend(tensor, dest_stage, async_op=False):
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]  # free what went
+            work = ds_comm.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage))
+            self._sends.append((work, tensor))
+
+        ds_p2p.send = isend
+        try:
+            yield
+        finally:
+            ds_p2p.send = blocking
+
+    def _exec_send_activations(self, buffer_id):
+        with self._nonblocking_sends():
+            PipelineEngine._exec_send_activations(self, buffer_id)
+
+    def _exec_send_grads(self, buffer_id):
+        with self._nonblocking_sends():
+            PipelineEngine._exec_send_grads(self, buffer_id)
+
     def _exec_reduce_tied_grads(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
         self.weight_grads.flush()  # every W is in .grad before any reduction
         PipelineEngine._exec_reduce_tied_grads(self)
 
@@ -465,6 +503,8 @@ class ZeroBubbleEngine(PipelineEngine):
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
         ds_schedule.RecvGrad: _exec_recv_grads,
+        ds_schedule.SendActivation: _exec_send_activations,
+        ds_schedule.SendGrad: _exec_send_grads,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         WeightPass: _exec_weight_pass,
     }
