@@ -2,7 +2,8 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
-                         [--schedule 1f1b,zb-h1] [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
+                         [--schedule 1f1b,zb-h1] [--zb-pending-w -1,0]
+                         [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
                          [--work-dir DIR] [--profile]
 
 Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
@@ -38,9 +39,10 @@ from launcher.cli import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 from parallel.accelerator import HOST
 
-GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition")
+GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
+             "zb_pending_w")
 FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
-              "threads": int, "schedule": str, "partition": str}
+              "threads": int, "schedule": str, "partition": str, "zb_pending_w": int}
 
 
 def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
@@ -80,6 +82,8 @@ def layout_name(layout: dict) -> str:
     threads = f"-t{layout['threads']}" if "threads" in layout else ""
     schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
     partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
+    if layout.get("schedule") == "zb-h1" and layout.get("zb_pending_w", -1) >= 0:
+        schedule += f"-w{layout['zb_pending_w']}"
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
             f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}{partition}")
 

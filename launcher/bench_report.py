@@ -24,6 +24,7 @@ phase's allocator settings cost deep-narrow models up to 80% more CPU time.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import statistics
@@ -133,7 +134,8 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
     """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
     return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                   sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"))
+                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
+                  zb_max_pending=None if layout.get("zb_pending_w", -1) < 0 else layout["zb_pending_w"])
 
 
 def measured_bubble(result: dict) -> float:
@@ -311,7 +313,7 @@ def replayed_pipeline(result: dict) -> dict:
     so this is the schedule's own bubble and step time at the measured op costs.
 
     1F1B's backward is one op (B + W); ZB-H1's first stage computes W inside its backward."""
-    from parallel.zb_timeline import ORDERS, simulate
+    from parallel.zb_timeline import ORDERS, simulate, zb_h1_order
 
     layout = result["layout"]
     pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
@@ -325,7 +327,10 @@ def replayed_pipeline(result: dict) -> dict:
         f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
                    for k in ("ForwardPass", "BackwardPass", "WeightPass"))
         costs.append({"F": f, "B": b, "W": w, "BW": b + w})
-    timeline = simulate(pp, m, costs, ORDERS[schedule])
+    order = ORDERS[schedule]
+    if schedule == "zb-h1" and layout.get("zb_pending_w", -1) >= 0:
+        order = functools.partial(zb_h1_order, max_pending=layout["zb_pending_w"])
+    timeline = simulate(pp, m, costs, order)
     span = max(ops[-1][1] for ops in timeline)
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
     return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs}

@@ -294,6 +294,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             os.symlink(os.path.abspath(data_dir), os.path.join(path, "data"))
     torch.distributed.barrier()
     cfg = layout_config(base_config, layout, run_dir, model_overrides)
+    zero_bubble_options(layout)
     prime_process(cfg)
     baseline = reset_peak_memory()
     trainer = Trainer(cfg)
@@ -346,6 +347,16 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         return None
     return {"layout": layout, "steps": steps, "batches": batches, "memory_batches": memory_batches,
             "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size}
+
+
+def zero_bubble_options(layout: dict) -> None:
+    """`zb_pending_w` ≥ 0 (bench only; -1 or absent: the paper's ZB-H1): bound on the weight
+    passes a stage keeps waiting (parallel/zb_timeline.py zb_h1_order's max_pending)."""
+    if layout.get("schedule") == "zb-h1":
+        from parallel.zero_bubble import ZeroBubbleEngine
+
+        pending = layout.get("zb_pending_w", -1)
+        ZeroBubbleEngine.max_pending_w = None if pending < 0 else pending
 
 
 def live_tensor_memory(trainer: object) -> dict:

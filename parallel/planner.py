@@ -166,6 +166,8 @@ class Layout:
     precision: str = "bf16"
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
+    zb_max_pending: int | None = None
+    """ZB-H1 only: bound on the W a stage keeps waiting (None: the paper's order, stage s keeps s)."""
 
     @property
     def world(self) -> int:
@@ -320,7 +322,8 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
         # (parallel/zero_bubble.py), as 1F1B does. Measured (bench, pp = 2, default model): the
         # last stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        activations += min(stage, layout.micro_batches) * held
+        pending = stage if layout.zb_max_pending is None else min(stage, layout.zb_max_pending)
+        activations += min(pending, layout.micro_batches) * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -407,7 +410,7 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: f
     (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
     W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
     Communication goes with F (activations) and B (gradients)."""
-    from parallel.zb_timeline import makespan
+    from parallel.zb_timeline import simulate, zb_h1_order
 
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     shares = []
@@ -420,7 +423,8 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: f
     _, f_share, w_share = max(shares)
     cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
     cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
-    seconds = makespan(layout.pp, layout.micro_batches, cost, "zb-h1")
+    order = functools.partial(zb_h1_order, max_pending=layout.zb_max_pending)
+    seconds = max(ops[-1][1] for ops in simulate(layout.pp, layout.micro_batches, cost, order))
     return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from model.layers import SharedEmbedding
 from parallel.tensor import TensorParallelLayerNorm, VocabParallelSharedEmbedding
-from parallel.zb_timeline import simulate
+from parallel.zb_timeline import simulate, zb_h1_order
 
 
 # ---------------------------------------------------------------- deferred weight gradients
@@ -355,7 +355,8 @@ class WeightPass(ds_schedule.BufferOpInstruction):
     """Compute the deferred weight gradients of the micro-batch in `buffer_id` into `.grad`."""
 
 
-def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list[ds_schedule.PipeInstruction]]:
+def stage_instructions(stages: int, micro_batches: int, stage: int,
+                       max_pending: int | None = None) -> list[list[ds_schedule.PipeInstruction]]:
     """DeepSpeed instructions of one stage for one training step of ZB-H1.
 
     Point-to-point transfers in DeepSpeed block until the peer takes part, so both ends of every
@@ -365,7 +366,7 @@ def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list
     transfers then happen in one global order, which cannot deadlock.
     """
     p, m, s = stages, micro_batches, stage
-    timeline = simulate(p, m)
+    timeline = simulate(p, m, order=functools.partial(zb_h1_order, max_pending=max_pending))
     events: list[tuple[tuple, list]] = []
     for start, end, kind, j in timeline[s]:
         if kind == "F":
@@ -394,10 +395,15 @@ def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
-    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i."""
+    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i. `max_pending` as in
+    parallel/zb_timeline.py's zb_h1_order (None: the paper's order)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, max_pending: int | None = None):
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.max_pending = max_pending
 
     def steps(self):
-        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id)
+        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id, self.max_pending)
 
     def num_pipe_buffers(self) -> int:
         return max(self.micro_batches, 2)
@@ -423,8 +429,13 @@ class ZeroBubbleEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
 
+    max_pending_w: int | None = None
+    """Bound on the W a stage keeps waiting (None: the paper's ZB-H1, stage s keeps s; 0: every
+    stage holds 1F1B's memory, see zb_h1_order)."""
+
     def _train_schedule(self):
-        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
+                                    max_pending=self.max_pending_w)
 
     def _exec_forward_pass(self, buffer_id):
         PipelineEngine._exec_forward_pass(self, buffer_id)

@@ -125,9 +125,9 @@ def test_split_refuses_a_module_it_cannot_split():
 GRID = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
 
-def _run_blocking(p: int, m: int) -> None:
+def _run_blocking(p: int, m: int, max_pending: int | None = None) -> None:
     """Execute all stages' instruction streams with rendezvous transfers and data dependencies."""
-    streams = [[c for step in stage_instructions(p, m, s) for c in step] for s in range(p)]
+    streams = [[c for step in stage_instructions(p, m, s, max_pending) for c in step] for s in range(p)]
     pos = [0] * p
     state = [{"F": set(), "B": set(), "W": set(), "act": set(), "grad": set()} for _ in range(p)]
     while any(pos[s] < len(streams[s]) for s in range(p)):
@@ -167,8 +167,26 @@ def _run_blocking(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("p,m", GRID)
-def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m):
-    _run_blocking(p, m)
+@pytest.mark.parametrize("max_pending", [None, 0])
+def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m, max_pending):
+    _run_blocking(p, m, max_pending)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 7) for m in (p, 2 * p)])
+def test_zb_h1_without_pending_w_keeps_each_stage_at_1f1b_activations(p, m):
+    """max_pending=0: W right after its own B, so no stage ever holds more F-without-W than its
+    1F1B in-flight count (p − s); with equal costs 3m + 2(p − 1) units, between 1F1B and ZB-H1."""
+    from functools import partial
+
+    order = partial(zb_h1_order, max_pending=0)
+    for s in range(p):
+        in_flight = peak = 0
+        for kind, _ in order(p, m, s):
+            in_flight += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, in_flight)
+        assert peak == min(p - s, m)
+    makespan = max(ops[-1][1] for ops in simulate(p, m, order=order))
+    assert makespan == 3 * m + 2 * (p - 1)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 9) for m in (p, 2 * p, 4 * p)])
