@@ -2,7 +2,7 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
-                         [--schedule 1f1b,zb-h1] [--zb-pending-w -1,0]
+                         [--schedule 1f1b,zb-h1] [--zb-pending-w=0,-1]
                          [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
                          [--work-dir DIR] [--profile]
 
@@ -82,8 +82,8 @@ def layout_name(layout: dict) -> str:
     threads = f"-t{layout['threads']}" if "threads" in layout else ""
     schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
     partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
-    if layout.get("schedule") == "zb-h1" and layout.get("zb_pending_w", -1) >= 0:
-        schedule += f"-w{layout['zb_pending_w']}"
+    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
+        schedule += "-paper" if layout["zb_pending_w"] < 0 else f"-w{layout['zb_pending_w']}"
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
             f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}{partition}")
 

@@ -350,12 +350,12 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
 
 
 def zero_bubble_options(layout: dict) -> None:
-    """`zb_pending_w` ≥ 0 (bench only; -1 or absent: the paper's ZB-H1): bound on the weight
-    passes a stage keeps waiting (parallel/zb_timeline.py zb_h1_order's max_pending)."""
-    if layout.get("schedule") == "zb-h1":
+    """`zb_pending_w` (bench only; absent: the engine's default 0): bound on the weight passes a
+    stage keeps waiting (ZeroBubbleEngine.max_pending_w); -1: the paper's order (None)."""
+    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
         from parallel.zero_bubble import ZeroBubbleEngine
 
-        pending = layout.get("zb_pending_w", -1)
+        pending = layout["zb_pending_w"]
         ZeroBubbleEngine.max_pending_w = None if pending < 0 else pending
 
 

@@ -1,12 +1,12 @@
 """`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved.
 
-    ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-pending-w=-1,0]
+    ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-pending-w=0,-1]
                              [--warmup 1] [--steps 4] [--out DIR]
 
 `./run.sh bench train` runs each layout in its own launch, one after the other; on a shared
 machine the load changes between them and with it wall and even CPU time (two ranks per core
 pair slow each other's caches). Here one launch per micro-batch count builds one real `Trainer`
-per schedule (1F1B, ZB-H1, and ZB-H1 with each `--zb-pending-w` bound ≥ 0), all on the same
+per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 the paper's order), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
 the pipeline phase: 1 − (forward + backward + weight passes) / (step − reductions − optimizer),
@@ -32,7 +32,7 @@ def _variants(pending: list[int]) -> list[tuple[str, str, int | None]]:
     """(name, schedule, max_pending_w) per trained schedule."""
     out = [("1f1b", "1f1b", None)]
     for p in pending:
-        out.append(("zb-h1" if p < 0 else f"zb-h1-w{p}", "zb-h1", None if p < 0 else p))
+        out.append(("zb-h1-paper" if p < 0 else f"zb-h1-w{p}", "zb-h1", None if p < 0 else p))
     return out
 
 
@@ -104,7 +104,7 @@ def summarize(result: dict) -> list[dict]:
                 bubble[stage].append(1.0 - busy / phase)
                 cpu[stage].append(step["cpu_seconds"])
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
-                  **({"zb_pending_w": pending} if pending is not None else {})}
+                  "zb_pending_w": -1 if pending is None else pending}
         replay = replayed_pipeline({"layout": layout, "ranks": [
             {"stage": stage, "instructions_cpu": [s["cpu"] for s in steps]} for stage, steps in per_rank]})
         seconds = [s["seconds"] for s in per_rank[0][1]]
@@ -144,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--micro-batches", default="4,8", help="comma-separated (one launch each)")
-    parser.add_argument("--zb-pending-w", default="-1",
-                        help="ZB-H1 variants: -1 the paper's order; k >= 0 at most k pending weight passes per stage")
+    parser.add_argument("--zb-pending-w", default="0,-1",
+                        help="ZB-H1 variants: k >= 0 at most k pending weight passes per stage (0: the default); "
+                             "-1 the paper's order")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="runs/bench-schedules")

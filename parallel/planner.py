@@ -166,8 +166,9 @@ class Layout:
     precision: str = "bf16"
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
-    zb_max_pending: int | None = None
-    """ZB-H1 only: bound on the W a stage keeps waiting (None: the paper's order, stage s keeps s)."""
+    zb_max_pending: int | None = 0
+    """ZB-H1 only: bound on the W a stage keeps waiting, as ZeroBubbleEngine.max_pending_w (0:
+    1F1B's memory on every stage; None: the paper's order, stage s keeps s)."""
 
     @property
     def world(self) -> int:

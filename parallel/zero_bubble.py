@@ -429,9 +429,12 @@ class ZeroBubbleEngine(PipelineEngine):
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
 
-    max_pending_w: int | None = None
-    """Bound on the W a stage keeps waiting (None: the paper's ZB-H1, stage s keeps s; 0: every
-    stage holds 1F1B's memory, see zb_h1_order)."""
+    max_pending_w: int | None = 0
+    """Bound on the W a stage keeps waiting (zb_h1_order's max_pending). 0 (default): every W
+    right after its own B, so every stage holds at most its 1F1B memory (the W's tensors are
+    fewer than its micro-batch's activations); None: the paper's order, stage s keeps s pending,
+    which fills more of the bubble when the stages are balanced, at s micro-batches' W tensors
+    more on stage s."""
 
     def _train_schedule(self):
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
