@@ -62,6 +62,8 @@ def test_split_layer_defers_weight_gradients_and_equals_autograd(norm, kind):
                                   for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
     store.run(0)
     assert store.pending() == 0
+    # W ran outside autograd: a recorded dW would keep its micro-batch's x and g alive in .grad
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in split.parameters())
     _assert_same_grads(plain, split)
 
 
