@@ -2,7 +2,8 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
-                         [--schedule 1f1b,zb-h1] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
+                         [--schedule 1f1b,zb-h1] [--zb-pending-w=0,-1]
+                         [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
                          [--work-dir DIR] [--profile]
 
 Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
@@ -38,9 +39,10 @@ from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.config import ConfigError, load_config
 from parallel.accelerator import HOST
 
-GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule")
+GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
+             "zb_pending_w")
 FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
-              "threads": int, "schedule": str}
+              "threads": int, "schedule": str, "partition": str, "zb_pending_w": int}
 
 
 def expand(entry: dict, where: str) -> list[dict]:
@@ -55,8 +57,11 @@ def expand(entry: dict, where: str) -> list[dict]:
 def layout_name(layout: dict) -> str:
     threads = f"-t{layout['threads']}" if "threads" in layout else ""
     schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
+    partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
+    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
+        schedule += "-paper" if layout["zb_pending_w"] < 0 else f"-w{layout['zb_pending_w']}"
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
-            f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}")
+            f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}{partition}")
 
 
 def launch_environment(layout: dict, world: int) -> dict:

@@ -24,6 +24,7 @@ phase's allocator settings cost deep-narrow models up to 80% more CPU time.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import statistics
@@ -41,7 +42,8 @@ MB = 2**20
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "max_tokens": ("data", "max_tokens"),
-               "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule")}
+               "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule"),
+               "partition": ("parallel", "partition_method")}
 
 
 def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
@@ -150,6 +152,8 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
+    if layout.get("partition", "cost") != "cost":
+        return None  # the planner partitions by the cost model (parallel/pipeline.py layer_costs)
     dev = cpu_device(env.peaks["fp32"], env.memory_bytes)
     plan_layout = planner_layout(layout, shape)
     return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
@@ -159,7 +163,8 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
     """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
     return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                   sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"))
+                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
+                  zb_max_pending=None if layout.get("zb_pending_w", 0) < 0 else layout.get("zb_pending_w", 0))
 
 
 def measured_bubble(result: dict) -> float:
@@ -240,6 +245,7 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
         "params": [r["params"] for r in result["ranks"]], "last_loss": steps[-1]["loss"],
     }
     row.update(compare_with_plain(result))
+    row.update(schedule_stats(result))
     if "profile" in result["ranks"][0]:
         row["profile"] = result["ranks"][0]["profile"]
     mfu = f"MFU {row['mfu']:.1%}" if row["mfu"] is not None else "MFU n/a"
@@ -295,6 +301,7 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                      f"| {_pct(r['hfu'])} | {_ratio(r.get('trainer_over_plain'))} | {r['bubble_measured']:.2f} / {r['bubble_theory']:.2f} | {memory} "
                      f"| {_pct(r['padding'])} | {r.get('load_after', float('nan')):.1f} |")
     lines += breakdown_table(rows)
+    lines += schedule_table(rows)
     profiled = [r for r in rows if "profile" in r]
     for r in profiled:
         p = r["profile"]
@@ -302,6 +309,81 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                   f"{_pct(p['attention'])}, other {_pct(p['other'])} of operator self time; top operators: "
                   + ", ".join(f"{name} {_pct(share)}" for name, share in p["top"]) + "."]
     return "\n".join(lines) + "\n"
+
+
+def schedule_stats(result: dict) -> dict:
+    """Pipeline schedule comparison (1F1B vs ZB-H1), per stage: the measured bubble (idle
+    fraction of the step's pipeline phase, mean over steps and the stage's ranks), the busy CPU
+    seconds of forward, backward and weight passes per step, and the peak bytes of live tensors
+    over one step (`live_tensor_memory` in launcher/bench_worker.py)."""
+    pp = result["layout"]["pp"]
+    bubble, busy, live = [[] for _ in range(pp)], [[] for _ in range(pp)], [0.0] * pp
+    for rank in result["ranks"]:
+        s = rank["stage"]
+        for inst in rank["instructions"]:
+            phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
+            work = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
+            if phase > 0:
+                bubble[s].append(1.0 - work / phase)
+                busy[s].append(work)
+        if rank.get("live_memory"):
+            live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
+    return {"schedule": result["layout"].get("schedule", "1f1b"),
+            "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
+            "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
+            "stage_live_peak_mb": live, **replayed_pipeline(result)}
+
+
+def replayed_pipeline(result: dict) -> dict:
+    """The pipeline phase replayed from CPU time: each stage's mean CPU seconds per micro-batch of
+    forward, backward and weight pass (its ranks' mean over the measured steps) put on the
+    schedule's dependency graph (parallel/zb_timeline.py, transfers free). Other processes on a
+    shared machine stretch wall time and so the measured bubble; they barely change CPU time,
+    so this is the schedule's own bubble and step time at the measured op costs.
+
+    1F1B's backward is one op (B + W); ZB-H1's first stage computes W inside its backward."""
+    from parallel.zb_timeline import ORDERS, simulate, zb_h1_order
+
+    layout = result["layout"]
+    pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
+    per_stage: list[list[dict]] = [[] for _ in range(pp)]
+    for rank in result["ranks"]:
+        per_stage[rank["stage"]].extend(rank.get("instructions_cpu") or [])
+    if not all(per_stage):
+        return {"replay_step_s": None, "replay_bubble": None}
+    costs = []
+    for steps in per_stage:
+        f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
+                   for k in ("ForwardPass", "BackwardPass", "WeightPass"))
+        costs.append({"F": f, "B": b, "W": w, "BW": b + w})
+    order = ORDERS[schedule]
+    if schedule == "zb-h1":  # the engine's default bound is 0; -1 is the paper's order
+        pending = layout.get("zb_pending_w", 0)
+        order = functools.partial(zb_h1_order, max_pending=None if pending < 0 else pending)
+    timeline = simulate(pp, m, costs, order)
+    span = max(ops[-1][1] for ops in timeline)
+    idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
+    return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs}
+
+
+def schedule_table(rows: list[dict]) -> list[str]:
+    """1F1B and ZB-H1 side by side, per stage (only when the grid has more than one schedule)."""
+    if len({r.get("schedule", "1f1b") for r in rows}) < 2:
+        return []
+    lines = ["", "Pipeline schedules per stage: measured bubble (idle fraction of the pipeline phase), busy seconds "
+             "(forward + backward + weight passes, wall) per step, peak RSS above the baseline, peak of live tensors "
+             "over one step (torch.profiler allocation tracking); the CPU replay puts each stage's mean CPU seconds of "
+             "F, B and W on the schedule's dependency graph (load-independent).", "",
+             "| layout | schedule | step s (median) | bubble per stage | busy s per stage | CPU replay: pipeline s, bubble "
+             "| peak RSS MB per stage | live tensors MB per stage |", "|---" * 8 + "|"]
+    for r in rows:
+        def cells(values, fmt):
+            return " / ".join("n/a" if v is None else format(v, fmt) for v in values)
+        lines.append(f"| {r['layout']} | {r.get('schedule', '1f1b')} | {r['step_s_median']:.2f} "
+                     f"| {cells(r['stage_bubble'], '.2f')} | {cells(r['stage_busy_s'], '.2f')} "
+                     f"| {cells([r['replay_step_s']], '.3f')}, {cells([r['replay_bubble']], '.3f')} "
+                     f"| {cells(r['stage_peak_mb'], '.0f')} | {cells(r['stage_live_peak_mb'], '.0f')} |")
+    return lines
 
 
 def _ratio(x: float | None) -> str:

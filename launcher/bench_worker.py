@@ -287,6 +287,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             os.symlink(os.path.abspath(data_dir), os.path.join(path, "data"))
     torch.distributed.barrier()
     cfg = layout_config(base_config, layout, run_dir, model_overrides)
+    zero_bubble_options(layout)
     prime_process(cfg)
     baseline = reset_peak_memory()
     trainer = Trainer(cfg)
@@ -295,6 +296,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         trainer.train_step()
     peak = peak_memory()
     memory_batches = list(memory_batches)
+    live = live_tensor_memory(trainer)  # one more step, after the high-water mark was read
 
     # Speed phase (see the module doc): the trainer, then the plain model on the same batches.
     training_allocator()
@@ -315,6 +317,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         if i:
             steps.append({"seconds": out["seconds"], "tokens": out["tokens"], "loss": out["loss"],
                           "instructions": {**wall, "train_batch": out["seconds"], "cpu_seconds": step_cpu},
+                          "instructions_cpu": dict(cpu),
                           "breakdown": breakdown(step_cpu, parts, cpu)})
         if twin is not None:
             step = global_batches[-1]
@@ -324,8 +327,9 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
                 plain.append(twin_parts)
     del batches[0]  # the untimed step's
     mine = {"rank": rank, "stage": trainer.layout.stage, "dp_rank": trainer.layout.replica,
-            "baseline_bytes": baseline, "peak_bytes": peak, "params": sum(p.numel() for p in trainer.module.parameters()),
+            "baseline_bytes": baseline, "peak_bytes": peak, "live_memory": live, "params": sum(p.numel() for p in trainer.module.parameters()),
             "instructions": [s.pop("instructions") for s in steps],
+            "instructions_cpu": [s.pop("instructions_cpu") for s in steps],
             "breakdown": [s.pop("breakdown") for s in steps], "plain": plain or None}
     if profile_dir and torch.distributed.get_world_size() == 1:
         mine["profile"] = profile_step(trainer, os.path.join(profile_dir, f"{layout['name']}.profile.txt"))
@@ -336,6 +340,67 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         return None
     return {"layout": layout, "steps": steps, "batches": batches, "memory_batches": memory_batches,
             "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size}
+
+
+def zero_bubble_options(layout: dict) -> None:
+    """`zb_pending_w` (bench only; absent: the engine's default 0): bound on the weight passes a
+    stage keeps waiting (ZeroBubbleEngine.max_pending_w); -1: the paper's order (None)."""
+    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
+        from parallel.zero_bubble import ZeroBubbleEngine
+
+        pending = layout["zb_pending_w"]
+        ZeroBubbleEngine.max_pending_w = None if pending < 0 else pending
+
+
+def live_tensor_memory(trainer: object) -> dict:
+    """One more step with torch.profiler's allocation tracking: the bytes of live tensors over the
+    step (the accelerator's allocations, CPU ones on the host), measured from the step's start.
+
+    Unlike the RSS high-water mark this sees neither heap fragmentation nor memory the allocator
+    keeps, so it tells what the schedule itself holds: `peak`, and the level at the end of every
+    pipeline instruction (`after`: [instruction, buffer, bytes]), e.g. what one micro-batch's
+    forward adds and what its backward leaves for a deferred weight pass. ZeRO's gradient bucket
+    (`reduce_bucket_size` elements: 2 GB allocated at the first backward, of which only the
+    gradients' bytes are ever written) is left out: same for every schedule, and mostly never
+    touched (RSS does not count it either).
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = trainer.engine
+    table = type(engine)._INSTRUCTION_MAP
+
+    def labelled(name, handler):
+        def run(self, *args, **kwargs):
+            with record_function(f"instruction:{name}:{kwargs.get('buffer_id', '')}"):
+                return handler(self, *args, **kwargs)
+        return run
+
+    engine._INSTRUCTION_MAP = {cls: labelled(cls.__name__, fn) for cls, fn in table.items()}
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.train_step()
+    finally:
+        del engine._INSTRUCTION_MAP
+    events = prof.profiler.kineto_results.events()
+    host = _on_cpu()
+    bucket = int(getattr(engine.optimizer, "reduce_bucket_size", 0))
+    skip = {bucket * size for size in (1, 2, 4, 8)} if bucket else set()
+    allocs = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and (str(e.device_type()).endswith("CPU") == host)
+                    and abs(e.nbytes()) not in skip)
+    marks = sorted((e.end_ns(), e.name().split(":", 2)[1:]) for e in events if e.name().startswith("instruction:"))
+    level = peak = 0
+    after, i = [], 0
+    for end, (name, buffer) in marks:
+        while i < len(allocs) and allocs[i][0] <= end:
+            level += allocs[i][1]
+            peak = max(peak, level)
+            i += 1
+        after.append([name, buffer, level])
+    for _, nbytes in allocs[i:]:
+        level += nbytes
+        peak = max(peak, level)
+    return {"peak": peak, "after": after}
 
 
 def comparable(layout: dict) -> bool:

@@ -26,7 +26,7 @@ per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the poi
 then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
 ZB-H1 (`Layout.schedule`): the slot splits into F, B (input gradient) and W (weight gradients),
 and the pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors each stage
-holds (`weight_grad_bytes`: stage s > 0 keeps s micro-batches' worth, plus the one between B and W).
+holds (`weight_grad_bytes`: stage s > 0 keeps s micro-batches' worth).
 """
 from __future__ import annotations
 
@@ -166,6 +166,9 @@ class Layout:
     precision: str = "bf16"
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
+    zb_max_pending: int | None = 0
+    """ZB-H1 only: bound on the W a stage keeps waiting, as ZeroBubbleEngine.max_pending_w (0:
+    1F1B's memory on every stage; None: the paper's order, stage s keeps s)."""
 
     @property
     def world(self) -> int:
@@ -264,24 +267,22 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
 def weight_grad_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int, tgt_len: int,
                       element: int) -> float:
     """Bytes ZB-H1 keeps per plan layer and micro-batch between its B and its W: each linear's
-    input and output gradient, each LayerNorm's input, output gradient and statistics.
+    input and output gradient (biases, LayerNorms and the embedding get their gradients in B).
 
-    Encoder layer, per source token: inputs 5d + f (attention input, shared by Q, K, V; output
-    projection; FFN fc1, fc2; two LayerNorms), gradients 7d + f. Decoder layer, per target token
-    inputs 8d + f and gradients 10d + f; per source token the cross-attention K/V input and their
-    two gradients (3d). The output layer keeps h and the gradient of the logits (V per token).
+    Encoder layer, per source token: inputs 3d + f (attention input, shared by Q, K, V; output
+    projection; fc1; fc2), gradients 5d + f. Decoder layer, per target token inputs 5d + f and
+    gradients 7d + f; per source token the cross-attention K/V input and their two gradients
+    (3d). The output layer keeps h and the gradient of the logits (V per token).
     """
     d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
     ns, nt = sequences * src_len, sequences * tgt_len
     if kind == "encoder":
-        return ns * (element * (12 * d + 2 * f) + 16)
+        return ns * element * (8 * d + 2 * f)
     if kind == "decoder":
-        return nt * (element * (18 * d + 2 * f) + 24) + ns * element * 3 * d
-    if kind == "embed":
-        return (ns + nt) * (element * d + 8)
+        return nt * element * (12 * d + 2 * f) + ns * element * 3 * d
     if kind == "output":
         return nt * element * (d + v)
-    return (ns if kind == "encoder_norm" else nt) * (element * 2 * d + 8)
+    return 0.0
 
 
 def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> dict[str, float]:
@@ -314,13 +315,16 @@ def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> d
         transient = max(scratch, loss_scratch)
     activations = in_flight * per_mb
     if layout.schedule == "zb-h1" and stage > 0:
-        # ZB-H1 runs W of micro-batch j after B of j + stage: `stage` micro-batches wait for their
-        # W (the last stage holds p − 1 of them), and the one just through B holds its W
-        # tensors until its W runs. With checkpointing these are recomputed tensors. The first
-        # stage computes W inside its backward (parallel/zero_bubble.py), as 1F1B does.
+        # ZB-H1 runs W of micro-batch j after B of j + stage: while the stage runs forwards,
+        # `stage` micro-batches wait for their W (the last stage holds p − 1 of them). The
+        # micro-batch going through B turns its activations into its W tensors (the linear inputs
+        # are the same tensors), so B's peak is 1F1B's plus the pending ones. With checkpointing
+        # these are recomputed tensors. The first stage computes W inside its backward
+        # (parallel/zero_bubble.py), as 1F1B does. Measured (bench, pp = 2, default model): the
+        # last stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        activations += min(stage, layout.micro_batches) * held
-        transient += held
+        pending = stage if layout.zb_max_pending is None else min(stage, layout.zb_max_pending)
+        activations += min(pending, layout.micro_batches) * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -407,7 +411,7 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: f
     (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
     W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
     Communication goes with F (activations) and B (gradients)."""
-    from parallel.zb_timeline import makespan
+    from parallel.zb_timeline import simulate, zb_h1_order
 
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     shares = []
@@ -420,7 +424,8 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: f
     _, f_share, w_share = max(shares)
     cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
     cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
-    seconds = makespan(layout.pp, layout.micro_batches, cost, "zb-h1")
+    order = functools.partial(zb_h1_order, max_pending=layout.zb_max_pending)
+    seconds = max(ops[-1][1] for ops in simulate(layout.pp, layout.micro_batches, cost, order))
     return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
 
 

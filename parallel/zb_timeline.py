@@ -9,7 +9,7 @@ from typing import Callable
 Order = Callable[[int, int, int], list[tuple[str, int]]]
 
 
-def zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+def zb_h1_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None) -> list[tuple[str, int]]:
     """ZB-H1's compute order of one stage.
 
     1F1B's order of F and B (stage s runs min(p − 1 − s, m) forwards first, then alternates), with
@@ -18,8 +18,14 @@ def zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, 
     none. So every stage holds at most p micro-batches between F and W, 1F1B's first-stage peak,
     and the W left over at the end fill the cooldown where 1F1B idles. With F, B and W of equal
     cost a step takes 3m + p − 1 units, the (p − 1)·(T_F + T_B − T_W) bubble of the paper.
+
+    `max_pending` bounds the W a stage keeps waiting (W of j after B of j + min(s, max_pending)).
+    With 0 every W follows its own B (after the B's gradient went out), so each stage holds at
+    most 1F1B's activations of that stage (a W's tensors are fewer than its micro-batch's
+    activations); with equal costs a step then takes 3m + 2(p − 1) units.
     """
     p, m, s = stages, micro_batches, stage
+    delay = s if max_pending is None else min(s, max_pending)
     warmup = min(p - 1 - s, m)
     order = [("F", k) for k in range(warmup)]
     forwards, weights = warmup, 0
@@ -28,7 +34,7 @@ def zb_h1_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, 
             order.append(("F", forwards))
             forwards += 1
         order.append(("B", b))
-        if b >= s:
+        if b >= delay:
             order.append(("W", weights))
             weights += 1
     order += [("W", k) for k in range(weights, m)]

@@ -30,13 +30,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from deepspeed import comm as ds_comm
+from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from model.layers import SharedEmbedding
 from parallel.tensor import TensorParallelLayerNorm, VocabParallelSharedEmbedding
-from parallel.zb_timeline import simulate
+from parallel.zb_timeline import simulate, zb_h1_order
 
 
 # ---------------------------------------------------------------- deferred weight gradients
@@ -47,9 +49,16 @@ class WeightGradStore:
 
     Work is deferred only inside `collect(k)` (the engine's BackwardPass of micro-batch k); a
     backward anywhere else computes weight gradients at once, as plain autograd would.
+
+    Only the matmul weight gradients (dW = gᵀ·x of linears and of the tied output projection) are
+    deferred by default. The cheap ones (biases, LayerNorm affines, the embedding lookup) are
+    computed inside B: deferring them would gain the schedule almost no time and hold each
+    one's input and output gradient until W (a LayerNorm's are as large as a linear's).
+    `defer_cheap=True` defers those too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, defer_cheap: bool = False) -> None:
+        self.defer_cheap = defer_cheap
         self._open: list[Callable[[], None]] | None = None
         self._groups: dict[int, list[Callable[[], None]]] = {}
 
@@ -61,15 +70,24 @@ class WeightGradStore:
         finally:
             self._open = None
 
-    def defer(self, work: Callable[[], None]) -> None:
-        if self._open is None:
-            work()
-        else:
+    def deferring(self, cheap: bool = False) -> bool:
+        """Whether weight-gradient work of this kind is deferred now."""
+        return self._open is not None and (self.defer_cheap or not cheap)
+
+    def defer(self, work: Callable[[], None], cheap: bool = False) -> None:
+        if self.deferring(cheap):
             self._open.append(work)
+        else:
+            work()
 
     def run(self, micro_batch: int) -> None:
-        for work in self._groups.pop(micro_batch, []):
-            work()
+        group = self._groups.pop(micro_batch, [])
+        # Outside backward grad mode is on: without no_grad autograd would record each dW = gᵀ·x
+        # (x is an activation that requires grad) and the .grad it accumulates into would keep
+        # every micro-batch's x and g alive until the optimizer step clears the gradients.
+        with torch.no_grad():
+            while group:  # drop each closure (and the tensors it holds) as soon as it has run
+                group.pop(0)()
 
     def flush(self) -> None:
         for micro_batch in sorted(self._groups):
@@ -87,12 +105,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _linear_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    g2 = g.reshape(-1, g.size(-1))
+def _linear_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.requires_grad:
-        _accumulate(weight, g2.t().mm(x.reshape(-1, x.size(-1))))
-    if bias is not None and bias.requires_grad:
-        _accumulate(bias, g2.sum(0))
+        _accumulate(weight, g.reshape(-1, g.size(-1)).t().mm(x.reshape(-1, x.size(-1))))
+
+
+def _bias_grad(g: torch.Tensor, bias: torch.Tensor) -> None:
+    if bias.requires_grad:
+        _accumulate(bias, g.reshape(-1, g.size(-1)).sum(0))
 
 
 class _SplitLinear(torch.autograd.Function):
@@ -108,7 +128,9 @@ class _SplitLinear(torch.autograd.Function):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         gx = g.matmul(ctx.weight) if ctx.needs_input_grad[0] else None
-        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight, ctx.bias))
+        if ctx.bias is not None:
+            ctx.store.defer(functools.partial(_bias_grad, g, ctx.bias), cheap=True)
+        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight))
         return gx, None, None, None
 
 
@@ -127,6 +149,14 @@ class _SplitLayerNorm(torch.autograd.Function):
     def backward(ctx, g):
         x, mean, rstd = ctx.saved_tensors
         w, b, shape = ctx.weight, ctx.bias, ctx.shape
+        if not ctx.store.deferring(cheap=True):  # all three in one call, as autograd does
+            gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                g, x, shape, mean, rstd, w, b, [ctx.needs_input_grad[0], w is not None, b is not None])
+            if w is not None and w.requires_grad:
+                _accumulate(w, gw)
+            if b is not None and b.requires_grad:
+                _accumulate(b, gb)
+            return gx, None, None, None, None, None
         gx = None
         if ctx.needs_input_grad[0]:
             gx = torch.ops.aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, [True, False, False])[0]
@@ -139,7 +169,7 @@ class _SplitLayerNorm(torch.autograd.Function):
             if b is not None and b.requires_grad:
                 _accumulate(b, gb)
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return gx, None, None, None, None, None
 
 
@@ -161,7 +191,7 @@ class _SplitEmbedding(torch.autograd.Function):
             _accumulate(weight, torch.ops.aten.embedding_dense_backward(
                 g, tokens, weight.size(0), -1 if pad is None else pad, False))
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return None, None, None, None
 
 
@@ -184,7 +214,7 @@ class _SplitAffine(torch.autograd.Function):
             _accumulate(weight, (g * x).sum(dims))
             _accumulate(bias, g.sum(dims))
 
-        ctx.store.defer(weight_grad)
+        ctx.store.defer(weight_grad, cheap=True)
         return g * weight, None, None, None
 
 
@@ -199,7 +229,7 @@ class _SplitBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         bias = ctx.bias
-        ctx.store.defer(lambda: _accumulate(bias, g.sum(tuple(range(g.dim() - 1)))))
+        ctx.store.defer(lambda: _accumulate(bias, g.sum(tuple(range(g.dim() - 1)))), cheap=True)
         return g, None, None
 
 
@@ -325,7 +355,8 @@ class WeightPass(ds_schedule.BufferOpInstruction):
     """Compute the deferred weight gradients of the micro-batch in `buffer_id` into `.grad`."""
 
 
-def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list[ds_schedule.PipeInstruction]]:
+def stage_instructions(stages: int, micro_batches: int, stage: int,
+                       max_pending: int | None = None) -> list[list[ds_schedule.PipeInstruction]]:
     """DeepSpeed instructions of one stage for one training step of ZB-H1.
 
     Point-to-point transfers in DeepSpeed block until the peer takes part, so both ends of every
@@ -335,7 +366,7 @@ def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list
     transfers then happen in one global order, which cannot deadlock.
     """
     p, m, s = stages, micro_batches, stage
-    timeline = simulate(p, m)
+    timeline = simulate(p, m, order=functools.partial(zb_h1_order, max_pending=max_pending))
     events: list[tuple[tuple, list]] = []
     for start, end, kind, j in timeline[s]:
         if kind == "F":
@@ -364,10 +395,15 @@ def stage_instructions(stages: int, micro_batches: int, stage: int) -> list[list
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
-    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i."""
+    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i. `max_pending` as in
+    parallel/zb_timeline.py's zb_h1_order (None: the paper's order)."""
+
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, max_pending: int | None = None):
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.max_pending = max_pending
 
     def steps(self):
-        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id)
+        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id, self.max_pending)
 
     def num_pipe_buffers(self) -> int:
         return max(self.micro_batches, 2)
@@ -391,9 +427,18 @@ class ZeroBubbleEngine(PipelineEngine):
         self.split_modules = split_weight_gradients(self.module, self.weight_grads)
         self._received_grads: dict[int, object] = {}
         self._losses: dict[int, torch.Tensor] = {}
+        self._sends: list[tuple[object, torch.Tensor]] = []
+
+    max_pending_w: int | None = 0
+    """Bound on the W a stage keeps waiting (zb_h1_order's max_pending). 0 (default): every W
+    right after its own B, so every stage holds at most its 1F1B memory (the W's tensors are
+    fewer than its micro-batch's activations); None: the paper's order, stage s keeps s pending,
+    which fills more of the bubble when the stages are balanced, at s micro-batches' W tensors
+    more on stage s."""
 
     def _train_schedule(self):
-        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id)
+        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
+                                    max_pending=self.max_pending_w)
 
     def _exec_forward_pass(self, buffer_id):
         PipelineEngine._exec_forward_pass(self, buffer_id)
@@ -428,7 +473,42 @@ class ZeroBubbleEngine(PipelineEngine):
     def _exec_weight_pass(self, buffer_id):
         self.weight_grads.run(buffer_id)
 
+    @contextlib.contextmanager
+    def _nonblocking_sends(self):
+        """DeepSpeed's point-to-point send blocks until the peer receives (gloo and NCCL alike), so
+        a stage that finished B would idle in SendGrad until the previous stage reaches its
+        RecvGrad, instead of running its W. While a training send instruction runs, p2p.send
+        posts an isend instead; the tensors are kept until the sends complete, which is waited
+        for before the step's reductions. Receives stay blocking and every send is posted in the
+        order of the blocking schedule, so the transfer order on each link is unchanged."""
+        if not self.module.training:
+            yield
+            return
+        blocking = ds_p2p.send
+
+        def isend(tensor, dest_stage, async_op=False):
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]  # free what went
+            work = ds_comm.isend(tensor, self.grid.stage_to_global(stage_id=dest_stage))
+            self._sends.append((work, tensor))
+
+        ds_p2p.send = isend
+        try:
+            yield
+        finally:
+            ds_p2p.send = blocking
+
+    def _exec_send_activations(self, buffer_id):
+        with self._nonblocking_sends():
+            PipelineEngine._exec_send_activations(self, buffer_id)
+
+    def _exec_send_grads(self, buffer_id):
+        with self._nonblocking_sends():
+            PipelineEngine._exec_send_grads(self, buffer_id)
+
     def _exec_reduce_tied_grads(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
         self.weight_grads.flush()  # every W is in .grad before any reduction
         PipelineEngine._exec_reduce_tied_grads(self)
 
@@ -437,6 +517,8 @@ class ZeroBubbleEngine(PipelineEngine):
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
         ds_schedule.RecvGrad: _exec_recv_grads,
+        ds_schedule.SendActivation: _exec_send_activations,
+        ds_schedule.SendGrad: _exec_send_grads,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         WeightPass: _exec_weight_pass,
     }

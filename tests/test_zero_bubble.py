@@ -18,11 +18,11 @@ def _cfg(norm: str) -> ModelConfig:
                        dropout=0.0, vocab_size=50)
 
 
-def _pair(cfg: ModelConfig, kind: str):
+def _pair(cfg: ModelConfig, kind: str, defer_cheap: bool = True):
     torch.manual_seed(3)
     plain = build_layer(cfg, kind, 1)
     split = copy.deepcopy(plain)
-    store = WeightGradStore()
+    store = WeightGradStore(defer_cheap=defer_cheap)
     split_weight_gradients(split, store)
     return plain, split, store
 
@@ -58,9 +58,36 @@ def test_split_layer_defers_weight_gradients_and_equals_autograd(norm, kind):
         torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=1e-7)
     # B computed no weight gradient; W is waiting in the store
     assert all(p.grad is None for p in split.parameters())
-    assert store.pending() == sum(1 for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
+    assert store.pending() == sum(1 + (m.bias is not None) if isinstance(m, torch.nn.Linear) else 1
+                                  for m in split.modules() if isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)))
     store.run(0)
     assert store.pending() == 0
+    # W ran outside autograd: a recorded dW would keep its micro-batch's x and g alive in .grad
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in split.parameters())
+    _assert_same_grads(plain, split)
+
+
+@pytest.mark.parametrize("norm", ["deepnorm", "subln"])
+def test_default_store_defers_only_matmul_weight_gradients(norm):
+    """Biases and LayerNorm affines get their gradients in B; each linear's dW waits for W."""
+    cfg = _cfg(norm)
+    plain, split, store = _pair(cfg, "decoder", defer_cheap=False)
+    torch.manual_seed(4)
+    x, enc = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    mask = source_mask(torch.randint(1, 50, (2, 7)), cfg.pad_id)
+    grad = torch.randn(2, 5, 32)
+    plain(x, enc, mask).backward(grad)
+    with store.collect(0):
+        split(x, enc, mask).backward(grad)
+    linears = [m for m in split.modules() if isinstance(m, torch.nn.Linear)]
+    assert store.pending() == len(linears)
+    matmul_weights = {id(m.weight) for m in linears}
+    for (name, a), (_, b) in zip(plain.named_parameters(), split.named_parameters()):
+        if id(b) in matmul_weights:
+            assert b.grad is None, name
+        else:  # computed inside B, equal to autograd's
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+    store.run(0)
     _assert_same_grads(plain, split)
 
 
@@ -100,9 +127,9 @@ def test_split_refuses_a_module_it_cannot_split():
 GRID = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 
 
-def _run_blocking(p: int, m: int) -> None:
+def _run_blocking(p: int, m: int, max_pending: int | None = None) -> None:
     """Execute all stages' instruction streams with rendezvous transfers and data dependencies."""
-    streams = [[c for step in stage_instructions(p, m, s) for c in step] for s in range(p)]
+    streams = [[c for step in stage_instructions(p, m, s, max_pending) for c in step] for s in range(p)]
     pos = [0] * p
     state = [{"F": set(), "B": set(), "W": set(), "act": set(), "grad": set()} for _ in range(p)]
     while any(pos[s] < len(streams[s]) for s in range(p)):
@@ -142,8 +169,26 @@ def _run_blocking(p: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("p,m", GRID)
-def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m):
-    _run_blocking(p, m)
+@pytest.mark.parametrize("max_pending", [None, 0])
+def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m, max_pending):
+    _run_blocking(p, m, max_pending)
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 7) for m in (p, 2 * p)])
+def test_zb_h1_without_pending_w_keeps_each_stage_at_1f1b_activations(p, m):
+    """max_pending=0: W right after its own B, so no stage ever holds more F-without-W than its
+    1F1B in-flight count (p − s); with equal costs 3m + 2(p − 1) units, between 1F1B and ZB-H1."""
+    from functools import partial
+
+    order = partial(zb_h1_order, max_pending=0)
+    for s in range(p):
+        in_flight = peak = 0
+        for kind, _ in order(p, m, s):
+            in_flight += {"F": 1, "B": 0, "W": -1}[kind]
+            peak = max(peak, in_flight)
+        assert peak == min(p - s, m)
+    makespan = max(ops[-1][1] for ops in simulate(p, m, order=order))
+    assert makespan == 3 * m + 2 * (p - 1)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 9) for m in (p, 2 * p, 4 * p)])
@@ -169,7 +214,7 @@ def test_planner_models_zb_h1_bubble_and_memory():
     cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
     dev = device("a100-80gb")
     base = Layout(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
-    zb = Layout(**{**base.__dict__, "schedule": "zb-h1"})
+    zb = Layout(**{**base.__dict__, "schedule": "zb-h1", "zb_max_pending": None})  # the paper's order
     t1, tz = step_time(cfg, base, dev, 0.4), step_time(cfg, zb, dev, 0.4)
     assert t1["bubble_fraction"] == pytest.approx(3 / 11)
     assert tz["bubble_fraction"] < t1["bubble_fraction"] / 2 and tz["total"] < t1["total"]
@@ -178,8 +223,14 @@ def test_planner_models_zb_h1_bubble_and_memory():
     for stage in range(4):
         extra = stage_memory(cfg, zb, stage, dev)["activations"] - stage_memory(cfg, base, stage, dev)["activations"]
         held = sum(weight_grad_bytes(cfg, k, 8, 64, 64, 2) for k in stage_kinds(cfg, 4)[stage])
-        # s pending W + the one between B and W; the first stage computes W inside its backward
-        assert extra == pytest.approx((stage + 1) * held if stage else 0.0)
+        # stage s holds s pending W; the first stage computes W inside its backward
+        assert extra == pytest.approx(stage * held)
+    # the default bound 0: 1F1B's memory on every stage, a bubble between the two
+    zb0 = Layout(**{**base.__dict__, "schedule": "zb-h1"})
+    t0 = step_time(cfg, zb0, dev, 0.4)
+    assert tz["bubble_fraction"] < t0["bubble_fraction"] < t1["bubble_fraction"]
+    for stage in range(4):
+        assert stage_memory(cfg, zb0, stage, dev)["peak"] == stage_memory(cfg, base, stage, dev)["peak"]
 
 
 @pytest.mark.parametrize("parallel,train,message", [

@@ -7,6 +7,8 @@ zb_drop, 1f1b_drop: dropout 0.1 everywhere and checkpointing every layer, under 
                  (dropout draws from each rank's stream in forward order, which both schedules
                  share, so the two must agree; the single process draws other masks).
 zb_subln:        ZB-H1 with Sub-LN (LayerNorms inside attention and FFN: sharded under TP).
+zb_paper:        ZB-H1 in the paper's order (max_pending_w = None: stage s keeps s pending W);
+                 the others use the default bound 0 (W right after its own B).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
 writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
@@ -60,9 +62,13 @@ def main() -> None:
     subln = copy.deepcopy(cfg)
     subln.model.norm = "subln"
     scenarios = {"zb": (cfg, "zb-h1", 0), "1f1b": (cfg, "1f1b", 0), "zb_ac": (cfg, "zb-h1", 1),
-                 "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0)}
+                 "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0),
+                 "zb_paper": (cfg, "zb-h1", 0)}
     results = {}
     for name in args.scenarios.split(","):
+        from parallel.zero_bubble import ZeroBubbleEngine
+
+        ZeroBubbleEngine.max_pending_w = None if name == "zb_paper" else 0
         base, schedule, interval = scenarios[name]
         scenario = copy.deepcopy(base)
         scenario.parallel.schedule = schedule

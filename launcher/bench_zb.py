@@ -1,0 +1,207 @@
+"""`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved.
+
+    ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-pending-w=0,-1]
+                             [--warmup 1] [--steps 4] [--out DIR]
+
+`./run.sh bench train` runs each layout in its own launch, one after the other; on a shared
+machine the load changes between them and with it wall and even CPU time (two ranks per core
+pair slow each other's caches). Here one launch per micro-batch count builds one real `Trainer`
+per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 the paper's order), all on the same
+batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
+load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
+the pipeline phase: 1 − (forward + backward + weight passes) / (step − reductions − optimizer),
+wall), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
+schedule's dependency graph; launcher/bench_report.py `replayed_pipeline`). Memory is measured by
+`./run.sh bench train` (one layout per process; engines are never freed). Writes
+OUT/schedules.{md,json} (default runs/bench-schedules).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _variants(pending: list[int]) -> list[tuple[str, str, int | None]]:
+    """(name, schedule, max_pending_w) per trained schedule."""
+    out = [("1f1b", "1f1b", None)]
+    for p in pending:
+        out.append(("zb-h1-paper" if p < 0 else f"zb-h1-w{p}", "zb-h1", None if p < 0 else p))
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from launcher.bench_worker import instrument, layout_config
+    from launcher.train import Trainer
+    from parallel.engine import setup_distributed
+    from parallel.zero_bubble import ZeroBubbleEngine
+
+    setup_distributed()
+    rank = torch.distributed.get_rank()
+    variants = _variants(args.pending)
+    trainers, clocks = [], []
+    for name, schedule, pending in variants:
+        run_dir = os.path.join(args.work_dir, f"m{args.micro_batches}-{name}")
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+            os.makedirs(run_dir)
+            os.symlink(args.data_dir, os.path.join(run_dir, "data"))
+        torch.distributed.barrier()
+        layout = {"pp": args.pp, "dp": 1, "micro_batches": args.micro_batches, "schedule": schedule,
+                  "warmup": args.warmup, "steps": args.steps}
+        cfg = layout_config(args.config, layout, run_dir, {})
+        ZeroBubbleEngine.max_pending_w = pending  # read when the engine builds its schedule
+        trainer = Trainer(cfg)
+        trainers.append(trainer)
+    for _ in range(args.warmup):
+        for trainer, (_, _, pending) in zip(trainers, variants):
+            ZeroBubbleEngine.max_pending_w = pending
+            trainer.train_step()
+    for trainer in trainers:
+        clocks.append(instrument(trainer.engine))
+    steps = {name: [] for name, _, _ in variants}
+    for _ in range(args.steps):
+        for trainer, (name, _, pending), (wall, cpu) in zip(trainers, variants, clocks):
+            ZeroBubbleEngine.max_pending_w = pending
+            wall.clear(), cpu.clear()
+            start = time.process_time()
+            out = trainer.train_step()
+            steps[name].append({"seconds": out["seconds"], "cpu_seconds": time.process_time() - start,
+                                "loss": out["loss"], "wall": dict(wall), "cpu": dict(cpu)})
+    mine = {"rank": rank, "stage": trainers[0].engine.stage_id, "steps": steps}
+    ranks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, mine)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"pp": args.pp, "micro_batches": args.micro_batches, "variants": variants, "ranks": ranks,
+                       "load": os.getloadavg()}, f)
+
+
+def summarize(result: dict) -> list[dict]:
+    """One row per schedule: wall and CPU per step, measured bubble per stage, CPU replay."""
+    from launcher.bench_report import replayed_pipeline
+
+    pp, m = result["pp"], result["micro_batches"]
+    rows = []
+    for name, schedule, pending in result["variants"]:
+        per_rank = [(r["stage"], r["steps"][name]) for r in result["ranks"]]
+        bubble, cpu = [[] for _ in range(pp)], [[] for _ in range(pp)]
+        for stage, steps in per_rank:
+            for step in steps:
+                wall = step["wall"]
+                phase = step["seconds"] - sum(wall.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
+                busy = sum(wall.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
+                bubble[stage].append(1.0 - busy / phase)
+                cpu[stage].append(step["cpu_seconds"])
+        layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
+                  "zb_pending_w": -1 if pending is None else pending}
+        replay = replayed_pipeline({"layout": layout, "ranks": [
+            {"stage": stage, "instructions_cpu": [s["cpu"] for s in steps]} for stage, steps in per_rank]})
+        seconds = [s["seconds"] for s in per_rank[0][1]]
+        rows.append({"schedule": name, "micro_batches": m, "step_s_median": statistics.median(seconds),
+                     "step_s": seconds, "stage_bubble": [statistics.fmean(b) for b in bubble],
+                     "bubble": statistics.fmean(x for b in bubble for x in b),
+                     "stage_cpu_s": [statistics.fmean(c) for c in cpu], "replay_step_s": replay["replay_step_s"],
+                     "replay_bubble": replay["replay_bubble"], "replay_costs": replay.get("replay_costs"),
+                     "losses": [s["loss"] for s in per_rank[0][1]], "load_after": result["load"]})
+    return rows
+
+
+def markdown(rows: list[dict], spec: dict) -> str:
+    lines = [f"Interleaved steps of each schedule in one launch per micro-batch count; config `{spec['config']}`, "
+             f"pp = {spec['pp']}, {spec['warmup']} warm-up + {spec['steps']} measured steps per schedule; load average "
+             f"before: {spec['load_before']}.", "",
+             "| m | schedule | step s median (all) | bubble (wall) per stage | bubble mean | CPU s per step per stage "
+             "| CPU replay: pipeline s, bubble | load after |", "|---" * 8 + "|"]
+    for r in rows:
+        lines.append(f"| {r['micro_batches']} | {r['schedule']} | {r['step_s_median']:.2f} ("
+                     + ", ".join(f"{s:.2f}" for s in r["step_s"]) + ") | "
+                     + " / ".join(f"{b:.3f}" for b in r["stage_bubble"]) + f" | {r['bubble']:.3f} | "
+                     + " / ".join(f"{c:.2f}" for c in r["stage_cpu_s"])
+                     + f" | {r['replay_step_s']:.3f}, {r['replay_bubble']:.3f} | "
+                     + " ".join(f"{x:.1f}" for x in r["load_after"]) + " |")
+    lines += ["", "CPU seconds per micro-batch used by the replay (stage: F, B, W):", ""]
+    for r in rows:
+        costs = "; ".join(f"stage {i}: {c['F']:.3f}, {c['B']:.3f}, {c['W']:.3f}" for i, c in enumerate(r["replay_costs"] or []))
+        lines.append(f"- m={r['micro_batches']} {r['schedule']}: {costs}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
+
+    parser = argparse.ArgumentParser(prog="run.sh bench schedules", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--micro-batches", default="4,8", help="comma-separated (one launch each)")
+    parser.add_argument("--zb-pending-w", default="0,-1",
+                        help="ZB-H1 variants: k >= 0 at most k pending weight passes per stage (0: the default); "
+                             "-1 the paper's order")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", default="runs/bench-schedules")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--work-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batch-count", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    pending = [int(x) for x in args.zb_pending_w.split(",")]
+    if args.worker:
+        args.pending, args.micro_batches, args.out = pending, args.micro_batch_count, args.result
+        worker(args)
+        return 0
+
+    from data.prepare import prepare_data
+    from launcher.config import load_config
+
+    base = load_config(args.config)
+    data_dir = os.path.abspath(os.path.join(base.run_dir, "data"))
+    prepare_data(base.data, data_dir, log=lambda msg: print(msg, flush=True))
+    out = os.path.abspath(args.out)
+    work = os.path.join(out, "work")
+    os.makedirs(work, exist_ok=True)
+    spec = {"config": args.config, "pp": args.pp, "warmup": args.warmup, "steps": args.steps,
+            "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    rows = []
+    for m in (int(x) for x in args.micro_batches.split(",")):
+        result = os.path.join(work, f"m{m}.json")
+        log = os.path.join(work, f"m{m}.log")
+        cmd = deepspeed_command(args.pp, "launcher/bench_zb.py", [
+            os.path.abspath(args.config), "--worker", "--pp", str(args.pp), "--micro-batch-count", str(m),
+            f"--zb-pending-w={args.zb_pending_w}", "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--work-dir", work, "--data-dir", data_dir, "--result", result])
+        env = launch_env(args.pp)
+        env["OMP_NUM_THREADS"] = "1"
+        print(f"m={m}: {', '.join(v[0] for v in _variants(pending))} interleaved ...", flush=True)
+        with open(log, "w") as f:
+            code = subprocess.call(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        if code != 0 or not os.path.exists(result):
+            print(f"error: m={m} failed (exit {code}); see {log}", file=sys.stderr)
+            return 1
+        with open(result) as f:
+            rows += summarize(json.load(f))
+        for r in rows[-len(_variants(pending)):]:
+            print(f"  {r['schedule']}: step {r['step_s_median']:.2f} s, bubble {r['bubble']:.3f} (wall), "
+                  f"CPU replay {r['replay_step_s']:.3f} s, bubble {r['replay_bubble']:.3f}", flush=True)
+    with open(os.path.join(out, "schedules.md"), "w") as f:
+        f.write(markdown(rows, spec))
+    with open(os.path.join(out, "schedules.json"), "w") as f:
+        json.dump({"spec": spec, "rows": rows}, f, indent=1)
+    print(f"wrote {out}/schedules.md, schedules.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
