@@ -1,0 +1,129 @@
+"""Start-up of one pipeline stage: from launch to the end of its first training step.
+
+    ./run.sh bench startup [--config configs/deepnet-500-500.yaml] [--pp 16] [--stage 1]
+
+Only the named stage is built, in this one process (the other stages need not exist): the
+imports a rank pays, the cost-model partition of the whole plan (every rank computes it), the
+stage's layers built from their plan specs with the pipeline's init seeds, then one forward and
+backward of a micro-batch of `--batch` × (`--src` + `--tgt`) tokens received as the stage
+message, with activation checkpointing per layer as `parallel.activation_checkpoint_interval`
+says, and one fused AdamW step over the stage's parameters. Printed per phase: wall and CPU
+seconds (this process), and the peak RSS. Not included: process-group set-up and DeepSpeed's
+engine initialisation, which need the other ranks (the engine's own start-up work is the
+partition, timed here, and ZeRO's flattening of the stage's parameters, one copy of them).
+"""
+from __future__ import annotations
+
+import time
+
+_T0 = time.time()  # as early as possible: interpreter start-up is added from the process's birth
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="./run.sh bench startup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/deepnet-500-500.yaml")
+    parser.add_argument("--pp", type=int, default=16, help="pipeline stages of the partition")
+    parser.add_argument("--stage", type=int, default=1, help="the stage to build (0-based)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--src", type=int, default=32)
+    parser.add_argument("--tgt", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import psutil
+
+    born = psutil.Process().create_time()
+    phases: list[tuple[str, float, float]] = []
+    wall, cpu = time.time(), _cpu()
+    phases.append(("interpreter start-up", _T0 - born, 0.0))
+
+    def mark(name: str) -> None:
+        nonlocal wall, cpu
+        now, now_cpu = time.time(), _cpu()
+        phases.append((name, now - wall, now_cpu - cpu))
+        wall, cpu = now, now_cpu
+
+    import torch
+
+    import deepspeed  # noqa: F401  (every rank imports it; counted with the other imports)
+    from launcher.config import load_config
+    from model.transformer import layer_plan
+    from parallel.pipeline import layer_costs, layer_specs, stage_flow, stage_message
+    from parallel.partition import partition_balanced
+
+    torch.set_num_threads(args.threads)
+    mark("imports (torch, deepspeed, model, pipeline)")
+
+    cfg = load_config(args.config)
+    model_cfg = cfg.model
+    if model_cfg.vocab_size <= 0:
+        model_cfg.vocab_size = cfg.data.vocab_size
+    plan = layer_plan(model_cfg)
+    if not 0 <= args.stage < args.pp <= len(plan):
+        raise SystemExit(f"error: --stage {args.stage} / --pp {args.pp}: need 0 ≤ stage < pp ≤ {len(plan)} plan layers")
+    mark("config")
+
+    bounds = partition_balanced(layer_costs(model_cfg), args.pp)
+    lo, hi = bounds[args.stage], bounds[args.stage + 1]
+    mark(f"partition of {len(plan)} plan layers into {args.pp} stages")
+
+    specs = layer_specs(model_cfg, cfg.train.seed)[lo:hi]
+    layers = torch.nn.ModuleList(spec.build() for spec in specs)
+    n_params = sum(p.numel() for p in layers.parameters())
+    mark(f"build stage {args.stage}: plan layers {lo}-{hi - 1}, {n_params / 1e6:.0f}M parameters")
+
+    optimizer = torch.optim.AdamW(layers.parameters(), lr=cfg.train.lr, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, model_cfg.vocab_size, (args.batch, args.src), generator=generator)
+    tgt_in = torch.randint(4, model_cfg.vocab_size, (args.batch, args.tgt), generator=generator)
+    if lo == 0:
+        flow = (src, tgt_in)
+    else:
+        h = torch.randn(args.batch, args.src + args.tgt, model_cfg.d_model, generator=generator, requires_grad=True)
+        flow = stage_flow(h, src, tgt_in, model_cfg.pad_id)
+    interval = cfg.parallel.activation_checkpoint_interval
+    for spec, layer in zip(specs, layers):
+        forward = getattr(spec, "forward_fn", None)  # the tied output layer's logits
+        if forward is not None:
+            flow = forward(layer, flow)
+        elif interval > 0 and type(layer).__name__ in ("EncoderPipe", "DecoderPipe"):
+            flow = torch.utils.checkpoint.checkpoint(layer, flow, use_reentrant=False)
+        else:
+            flow = layer(flow)
+    out = stage_message(flow)[0] if hi < len(plan) else flow  # h, or the last stage's logits
+    out.backward(torch.randn(out.shape, generator=generator))
+    mark(f"first forward + backward ({args.batch}×({args.src}+{args.tgt}) tokens, checkpoint interval {interval})")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark("first optimizer step (fused AdamW)")
+
+    total_wall = sum(w for _, w, _ in phases)
+    total_cpu = sum(c for _, _, c in phases)
+    print(f"{model_cfg.encoder_layers}L-{model_cfg.decoder_layers}L d={model_cfg.d_model}, pp={args.pp}, "
+          f"stage {args.stage} only; load average {os.getloadavg()[0]:.1f}; peak RSS {_rss_mb():.0f} MB")
+    print(f"| {'phase':72s} | wall s | CPU s |")
+    print(f"|{'-' * 74}|--------|-------|")
+    for name, w, c in phases:
+        print(f"| {name:72s} | {w:6.2f} | {c:5.2f} |")
+    print(f"| {'launch to the end of the first step':72s} | {total_wall:6.2f} | {total_cpu:5.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
