@@ -37,7 +37,8 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer, layer_plan, smoothed_loss_sum
-from parallel.partition import partition_balanced
+from model.flops import layer_costs
+from parallel.partition import stage_bounds
 from parallel.tensor import TensorParallel, shard_, vocab_parallel_smoothed_loss_sum
 
 
@@ -114,22 +115,6 @@ class FinalNormPipe(nn.Module):
         return enc, self.norm(dec), src, tgt_in, mask
 
 
-def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[float]:
-    """Forward FLOPs of each plan layer for one sequence pair of typical length.
-
-    Encoder layer: 8d² (Q,K,V,O) + 4·d·f (FFN) per token plus 4·S·d for attention scores and
-    mixing; a decoder layer adds cross-attention (another 8d² and 4·S·d), so with f = 4d it costs
-    4/3 of an encoder layer. The output layer is 2·V·d per target token, which makes the last
-    stage heavy for large vocabularies. Embedding and LayerNorms are small but not free.
-    """
-    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
-    enc = src_len * (8 * d * d + 4 * d * f + 4 * src_len * d)
-    dec = tgt_len * (16 * d * d + 4 * d * f + 4 * tgt_len * d + 4 * src_len * d)
-    cost = {"embed": (src_len + tgt_len) * d * 10, "encoder": enc, "decoder": dec,
-            "encoder_norm": src_len * d * 10, "decoder_norm": tgt_len * d * 10, "output": tgt_len * 2 * v * d}
-    return [float(cost[layer.kind]) for layer in layer_plan(cfg)]
-
-
 def layer_specs(cfg: ModelConfig, seed: int, tp: TensorParallel | None = None) -> list[LayerSpec]:
     """One spec per plan entry; entry i is initialised from seed + i."""
     specs: list[LayerSpec] = []
@@ -151,13 +136,15 @@ def layer_specs(cfg: ModelConfig, seed: int, tp: TensorParallel | None = None) -
 
 
 class TranslationPipe(PipelineModule):
-    """PipelineModule whose layers are partitioned by `layer_costs` (partition_method='cost')."""
+    """PipelineModule whose layers are partitioned by parallel/partition.py's `stage_bounds`
+    (partition_method='cost'): model/flops.py's layer costs, balanced."""
 
     def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost",
                  activation_checkpoint_interval: int = 0, tp: TensorParallel | None = None):
         # Set before PipelineModule.__init__, which calls _partition_layers.
         object.__setattr__(self, "_costs", layer_costs(cfg))
         object.__setattr__(self, "_plan", layer_plan(cfg))
+        object.__setattr__(self, "_cfg", cfg)
 
         def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             target, scale = labels
@@ -192,7 +179,7 @@ class TranslationPipe(PipelineModule):
     def _partition_layers(self, method: str = "cost") -> None:
         if method != "cost":
             return super()._partition_layers(method)
-        self.parts = partition_balanced(weights=self._costs, num_parts=self.num_stages)
+        self.parts = stage_bounds(self._cfg, self.num_stages)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 

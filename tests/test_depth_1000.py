@@ -74,7 +74,7 @@ def test_1000_layer_pipeline_parameters_equal_single_process(deep_run):
 
 
 def test_1000_layer_partition_covers_every_plan_layer_once_and_is_balanced(deep_run):
-    from parallel.pipeline import layer_costs
+    from model.flops import layer_costs
 
     cfg, result, _, _ = deep_run
     plan = layer_plan(cfg.model)
