@@ -30,6 +30,8 @@ gradient are exactly those of Σ loss / Σ tokens over all micro-batches, as in 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
@@ -39,15 +41,13 @@ from model.layers import padding_mask
 from model.transformer import build_layer, layer_plan, smoothed_loss_sum
 from model.flops import layer_costs
 from parallel.partition import stage_bounds
-from parallel.tensor import TensorParallel, shard_, vocab_parallel_smoothed_loss_sum
+from parallel.tensor import TensorParallel, parallelize, vocab_parallel_smoothed_loss_sum
 
 
-def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int, init_seed: int) -> nn.Module:
-    """The plain layer initialised from `init_seed` (seed + plan position, as in EncoderDecoder),
-    made tensor-parallel after its full-size init when tp is given."""
+def _build(cfg: ModelConfig, kind: str, index: int, init_seed: int) -> nn.Module:
+    """The plain layer initialised from `init_seed` (seed + plan position, as in EncoderDecoder)."""
     torch.manual_seed(init_seed)
-    layer = build_layer(cfg, kind, index)
-    return shard_(layer, tp) if tp is not None else layer
+    return build_layer(cfg, kind, index)
 
 
 def stage_flow(h: torch.Tensor, src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int) -> tuple:
@@ -65,9 +65,9 @@ def stage_message(flow: tuple) -> tuple[torch.Tensor, ...]:
 class EmbedPipe(nn.Module):
     """(src, tgt_in) → flow; owns the shared embedding (tied with the output layer)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int):
+    def __init__(self, cfg: ModelConfig, init_seed: int):
         super().__init__()
-        self.embed = _build(cfg, "embed", tp, 0, init_seed)
+        self.embed = _build(cfg, "embed", 0, init_seed)
         self.pad_id = cfg.pad_id
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
@@ -81,10 +81,9 @@ def output_logits(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
 
 
 class EncoderPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0,
-                 kind: str = "encoder"):
+    def __init__(self, cfg: ModelConfig, init_seed: int, index: int = 0, kind: str = "encoder"):
         super().__init__()
-        self.layer = _build(cfg, kind, tp, index, init_seed)
+        self.layer = _build(cfg, kind, index, init_seed)
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
@@ -92,8 +91,8 @@ class EncoderPipe(nn.Module):
 
 
 class DecoderPipe(EncoderPipe):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0):
-        super().__init__(cfg, tp, init_seed, index, "decoder")
+    def __init__(self, cfg: ModelConfig, init_seed: int, index: int = 0):
+        super().__init__(cfg, init_seed, index, "decoder")
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
@@ -103,9 +102,9 @@ class DecoderPipe(EncoderPipe):
 class FinalNormPipe(nn.Module):
     """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder' (replicated under TP)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, part: str):
+    def __init__(self, cfg: ModelConfig, init_seed: int, part: str):
         super().__init__()
-        self.norm = _build(cfg, f"{part}_norm", None, 0, init_seed)
+        self.norm = _build(cfg, f"{part}_norm", 0, init_seed)
         self.part = part
 
     def forward(self, inputs: tuple) -> tuple:
@@ -115,23 +114,23 @@ class FinalNormPipe(nn.Module):
         return enc, self.norm(dec), src, tgt_in, mask
 
 
-def layer_specs(cfg: ModelConfig, seed: int, tp: TensorParallel | None = None) -> list[LayerSpec]:
+def layer_specs(cfg: ModelConfig, seed: int) -> list[LayerSpec]:
     """One spec per plan entry; entry i is initialised from seed + i."""
     specs: list[LayerSpec] = []
     for i, layer in enumerate(layer_plan(cfg)):
         if layer.kind == "embed":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, tied_weight_attr=["embed.weight"]))
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, tied_weight_attr=["embed.weight"]))
         elif layer.kind == "output":
             # Built on the last stage from another seed, then overwritten by DeepSpeed's broadcast
             # of the first stage's embedding (the tied weight).
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, forward_fn=output_logits,
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, forward_fn=output_logits,
                                        tied_weight_attr=["embed.weight"]))
         elif layer.kind == "encoder":
-            specs.append(LayerSpec(EncoderPipe, cfg, tp, seed + i, index=layer.index))
+            specs.append(LayerSpec(EncoderPipe, cfg, seed + i, index=layer.index))
         elif layer.kind == "decoder":
-            specs.append(LayerSpec(DecoderPipe, cfg, tp, seed + i, index=layer.index))
+            specs.append(LayerSpec(DecoderPipe, cfg, seed + i, index=layer.index))
         else:
-            specs.append(LayerSpec(FinalNormPipe, cfg, tp, seed + i, layer.kind.split("_")[0]))
+            specs.append(LayerSpec(FinalNormPipe, cfg, seed + i, layer.kind.split("_")[0]))
     return specs
 
 
@@ -153,7 +152,7 @@ class TranslationPipe(PipelineModule):
             return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
 
         super().__init__(
-            layers=layer_specs(cfg, seed, tp),
+            layers=layer_specs(cfg, seed),
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
@@ -168,6 +167,8 @@ class TranslationPipe(PipelineModule):
         )
         self.tp = tp
         self.pad_id = cfg.pad_id
+        if tp is not None:  # the built plain stage, made tensor-parallel by the plan
+            parallelize(self, tp, path_of=functools.partial(plain_name, self._plan))
 
     def forward(self, forward_input: tuple[torch.Tensor, ...]):
         """Run this stage's layers on the flow; convert from/to the stage message at its ends."""
@@ -197,23 +198,29 @@ class TranslationPipe(PipelineModule):
         return "\n".join(lines)
 
 
-def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename one stage's `PipelineModule.state_dict()` to `EncoderDecoder` parameter names.
+def plain_name(plan: list, path: str) -> str | None:
+    """The `EncoderDecoder` name of a stage's module or parameter path, None for the pipeline's own
+    wrappers. Stage paths are '<plan index>.<wrapper attr>.<rest>' or 'tied_modules.embed.embed.<rest>';
+    the wrappers hold the plain module as `.layer` (encoder/decoder), `.norm` (final LNs)."""
+    tied = "tied_modules.embed.embed"
+    if path == tied or path.startswith(tied + "."):
+        return "embed" + path[len(tied):]
+    index, _, rest = path.partition(".")
+    wrapper, _, rest = rest.partition(".")
+    if not index.isdigit() or wrapper not in ("layer", "norm"):
+        return None
+    return plan[int(index)].name + ("." + rest if rest else "")
 
-    Pipeline keys are '<plan index>.<wrapper attr>.<rest>' or 'tied_modules.embed.embed.<rest>';
-    the wrappers hold the plain module as `.layer` (encoder/decoder), `.norm` (final LNs).
-    """
+
+def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename one stage's `PipelineModule.state_dict()` to `EncoderDecoder` parameter names."""
     plan = layer_plan(cfg)
     out = {}
     for key, value in pipe_state.items():
         if key.endswith("._extra_state"):  # megatron's linears keep a placeholder for Transformer Engine
             continue
-        if key.startswith("tied_modules.embed.embed."):
-            out["embed." + key[len("tied_modules.embed.embed."):]] = value
-            continue
-        index, wrapper, rest = key.split(".", 2)
-        layer = plan[int(index)]
-        if wrapper not in ("layer", "norm"):
+        name = plain_name(plan, key)
+        if name is None:
             raise KeyError(f"unexpected pipeline parameter {key}")
-        out[f"{layer.name}.{rest}"] = value
+        out[name] = value
     return out

@@ -30,7 +30,7 @@ from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.transformer import EncoderDecoder, smoothed_loss_sum  # noqa: E402
 from parallel.pipeline import plain_state_dict  # noqa: E402
-from parallel.tensor import SHARD_DIM, vocab_parallel_smoothed_loss_sum  # noqa: E402
+from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum  # noqa: E402
 from tests.dist.pipeline_worker import fresh_run_dir, record_steps, train_and_resume  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def check_vocab_loss(tp) -> dict:
 
 
 def local_slice(name: str, full: torch.Tensor, tp) -> torch.Tensor:
-    dim = next((d for suffix, d in SHARD_DIM.items() if name.endswith(suffix)), None)
+    dim = shard_dim(name)
     return full if dim is None else full.chunk(tp.size, dim=dim)[tp.rank]
 
 
