@@ -161,7 +161,7 @@ def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: Tens
         for name, param in new.named_parameters(recurse=False):
             source = getattr(full, name)
             param.copy_(tp.shard(source, dims[name]) if name in dims else source)
-            if name in dims:
+            if name in dims and not hasattr(param, "tensor_model_parallel"):  # megatron tags its biases
                 _mark_sharded(param, dims[name])
     return new
 
