@@ -154,6 +154,15 @@ def _linear_classes():
     return ColumnLinear, RowLinear
 
 
+def _inherit_tags(new: torch.Tensor, old: torch.Tensor) -> None:
+    """Give a parameter's replacement the attributes its owner's framework set on the original
+    (DeepSpeed marks the tied embedding's copy on the last stage `ds_pipe_replicated`, so that the
+    gradient norm counts it once; a shard without the mark is counted twice)."""
+    for key, value in vars(old).items():
+        if not hasattr(new, key):
+            setattr(new, key, value)
+
+
 def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: TensorParallel) -> nn.Module:
     """Fill `new`'s parameters from `full`'s (this rank's slice where `dims` splits them)."""
     new.to(full.weight.device)
@@ -161,6 +170,7 @@ def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: Tens
         for name, param in new.named_parameters(recurse=False):
             source = getattr(full, name)
             param.copy_(tp.shard(source, dims[name]) if name in dims else source)
+            _inherit_tags(param, source)
             if name in dims and not hasattr(param, "tensor_model_parallel"):  # megatron tags its biases
                 _mark_sharded(param, dims[name])
     return new
@@ -180,6 +190,8 @@ class TensorParallelLayerNorm(nn.Module):
         self.group = tp.group
         self.weight = nn.Parameter(tp.shard(norm.weight.detach(), 0))
         self.bias = nn.Parameter(tp.shard(norm.bias.detach(), 0))
+        _inherit_tags(self.weight, norm.weight)
+        _inherit_tags(self.bias, norm.bias)
         _mark_sharded(self.weight, 0)
         _mark_sharded(self.bias, 0)
 
@@ -274,6 +286,7 @@ class VocabParallel(Style):
         with torch.no_grad():
             lookup.weight.copy_(tp.shard(embed.weight, 0))
         _mark_sharded(lookup.weight, 0)
+        _inherit_tags(lookup.weight, embed.weight)
         # One parameter, registered once: the embedding's weight *is* the lookup's local shard.
         del embed.weight
         embed.weight = lookup.weight

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
+from parallel.engine import setup_distributed  # noqa: E402
 from parallel.pipeline import TranslationPipe  # noqa: E402
 from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
 
@@ -66,6 +67,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int)
     args = parser.parse_args()
 
+    setup_distributed()
     cfg = load_config(args.config)
     scenarios = ["plain"] if args.only_plain else args.scenarios.split(",")
     results = {}
@@ -83,7 +85,7 @@ def main() -> None:
         no_ckpt = with_dropout(cfg, "dropout-no-ac", checkpoint_interval=0)
         results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps)
     if "partitions" in scenarios:
-        results["partitions"] = partitions()  # after a Trainer has set up torch.distributed
+        results["partitions"] = partitions()
     write_result(args.out, results)
 
 
