@@ -118,9 +118,9 @@ def reference_run(cfg, steps: int, *, instruments: bool = False, stage_bounds: l
                 loss = smoothed_loss_sum(logits, b["tgt_out"], cfg.model.pad_id, cfg.model.label_smoothing) / total
                 loss.backward()
                 step_loss += loss.item()
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        out["k_bias_grad"].append(max(float(g.abs().max()) for n, g in grads.items() if n.endswith("k_proj.bias")))
-        out["grad_max"].append(max(float(g.abs().max()) for g in grads.values()))
+        step_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        out["k_bias_grad"].append(max(float(g.abs().max()) for n, g in step_grads.items() if n.endswith("k_proj.bias")))
+        out["grad_max"].append(max(float(g.abs().max()) for g in step_grads.values()))
         clip = t.clip_norm if t.clip_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         out["lr"].append(opt.param_groups[0]["lr"])
