@@ -18,6 +18,9 @@ tests/test_flops.py exposes. Causal self-attention is counted as full S² (the k
 the masked half too, and it is the usual convention). Biases, LayerNorms, softmax and the
 embedding gather are left out: they are not matmuls and are < 1% at these widths.
 
+The pipeline partitioner (parallel/partition.py `stage_bounds`, used by the trainer and by the
+planner) balances `layer_costs`: the same per-layer forward FLOPs at a typical 32 + 32 tokens.
+
 MFU counts only the model FLOPs of real (non-padding) tokens; HFU counts what the hardware did:
 padded shapes plus the forward recomputed under activation checkpointing.
 """
@@ -48,6 +51,16 @@ def layer_forward_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: fl
     if kind == "output":
         return 2 * cfg.vocab_size * d * t
     return 0.0
+
+
+def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[float]:
+    """`layer_forward_flops` of every layer of the plan (model/transformer.py `layer_plan`), in
+    plan order, for one pair of typical length: the weights the pipeline stages are balanced by.
+    The embedding and the final LayerNorms weigh 0 (no matmul); the output layer 2·V·d per target
+    token, which makes the last stage heavy for large vocabularies."""
+    from model.transformer import layer_plan  # the plan needs torch's modules; the formulas do not
+
+    return [layer_forward_flops(cfg, layer.kind, src_len, tgt_len) for layer in layer_plan(cfg)]
 
 
 def forward_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, layers_only: bool = False) -> float:

@@ -36,6 +36,8 @@ class SharedEmbedding(nn.Module):
     """Token embedding shared by source, target and the output projection.
 
     embed(tokens) = dropout(√d · E[tokens] + P[positions]); E ~ N(0, d^-1/2), pad row zero.
+    `lookup` (E[tokens]) and `logits` (h·Eᵀ) are the two operations on the weight; tensor
+    parallelism (parallel/tensor.py) replaces them on the instance, the forward stays this one.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -54,9 +56,13 @@ class SharedEmbedding(nn.Module):
         if offset + length > self.positions.size(0):
             raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
                              f"{self.positions.size(0)}")
-        x = self.scale * F.embedding(tokens, self.weight, padding_idx=self.pad_id)
+        x = self.scale * self.lookup(tokens)
         x = x + self.positions[offset:offset + length].to(x.dtype)
         return self.dropout(x)
+
+    def lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows E[tokens] (the pad row gets no gradient)."""
+        return F.embedding(tokens, self.weight, padding_idx=self.pad_id)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output projection tied to the embedding: h·Eᵀ."""

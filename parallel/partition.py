@@ -25,6 +25,9 @@ from __future__ import annotations
 import bisect
 import itertools
 
+from model.config import ModelConfig
+from model.flops import layer_costs
+
 
 def _stage_ends(prefix: list[float], limit: float, parts: int) -> list[int] | None:
     """Greedy cut with at most `parts` stages of cost ≤ limit (stage ends as prefix indices),
@@ -102,3 +105,10 @@ def _spread(prefix: list[float], limit: float, parts: int) -> list[int]:
             else:
                 break
     return bounds
+
+
+def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
+    """The pipeline partition of `cfg` into `pp` stages: plan indices where stages start (pp + 1
+    bounds), balancing model/flops.py's `layer_costs`. The trainer's pipeline module
+    (parallel/pipeline.py) and the planner both call this, so they cut the same stages."""
+    return partition_balanced(layer_costs(cfg), pp)

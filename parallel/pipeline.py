@@ -30,6 +30,8 @@ gradient are exactly those of Σ loss / Σ tokens over all micro-batches, as in 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
@@ -37,16 +39,15 @@ from torch import nn
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer, layer_plan, smoothed_loss_sum
-from parallel.partition import partition_balanced
-from parallel.tensor import TensorParallel, shard_, vocab_parallel_smoothed_loss_sum
+from model.flops import layer_costs
+from parallel.partition import stage_bounds
+from parallel.tensor import TensorParallel, parallelize, vocab_parallel_smoothed_loss_sum
 
 
-def _build(cfg: ModelConfig, kind: str, tp: TensorParallel | None, index: int, init_seed: int) -> nn.Module:
-    """The plain layer initialised from `init_seed` (seed + plan position, as in EncoderDecoder),
-    made tensor-parallel after its full-size init when tp is given."""
+def _build(cfg: ModelConfig, kind: str, index: int, init_seed: int) -> nn.Module:
+    """The plain layer initialised from `init_seed` (seed + plan position, as in EncoderDecoder)."""
     torch.manual_seed(init_seed)
-    layer = build_layer(cfg, kind, index)
-    return shard_(layer, tp) if tp is not None else layer
+    return build_layer(cfg, kind, index)
 
 
 def stage_flow(h: torch.Tensor, src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int) -> tuple:
@@ -64,9 +65,9 @@ def stage_message(flow: tuple) -> tuple[torch.Tensor, ...]:
 class EmbedPipe(nn.Module):
     """(src, tgt_in) → flow; owns the shared embedding (tied with the output layer)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int):
+    def __init__(self, cfg: ModelConfig, init_seed: int):
         super().__init__()
-        self.embed = _build(cfg, "embed", tp, 0, init_seed)
+        self.embed = _build(cfg, "embed", 0, init_seed)
         self.pad_id = cfg.pad_id
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
@@ -80,10 +81,9 @@ def output_logits(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
 
 
 class EncoderPipe(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0,
-                 kind: str = "encoder"):
+    def __init__(self, cfg: ModelConfig, init_seed: int, index: int = 0, kind: str = "encoder"):
         super().__init__()
-        self.layer = _build(cfg, kind, tp, index, init_seed)
+        self.layer = _build(cfg, kind, index, init_seed)
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
@@ -91,8 +91,8 @@ class EncoderPipe(nn.Module):
 
 
 class DecoderPipe(EncoderPipe):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, index: int = 0):
-        super().__init__(cfg, tp, init_seed, index, "decoder")
+    def __init__(self, cfg: ModelConfig, init_seed: int, index: int = 0):
+        super().__init__(cfg, init_seed, index, "decoder")
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
@@ -102,9 +102,9 @@ class DecoderPipe(EncoderPipe):
 class FinalNormPipe(nn.Module):
     """The final LayerNorm of a Pre-LN stack; `part` is 'encoder' or 'decoder' (replicated under TP)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None, init_seed: int, part: str):
+    def __init__(self, cfg: ModelConfig, init_seed: int, part: str):
         super().__init__()
-        self.norm = _build(cfg, f"{part}_norm", None, 0, init_seed)
+        self.norm = _build(cfg, f"{part}_norm", 0, init_seed)
         self.part = part
 
     def forward(self, inputs: tuple) -> tuple:
@@ -114,50 +114,36 @@ class FinalNormPipe(nn.Module):
         return enc, self.norm(dec), src, tgt_in, mask
 
 
-def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[float]:
-    """Forward FLOPs of each plan layer for one sequence pair of typical length.
-
-    Encoder layer: 8d² (Q,K,V,O) + 4·d·f (FFN) per token plus 4·S·d for attention scores and
-    mixing; a decoder layer adds cross-attention (another 8d² and 4·S·d), so with f = 4d it costs
-    4/3 of an encoder layer. The output layer is 2·V·d per target token, which makes the last
-    stage heavy for large vocabularies. Embedding and LayerNorms are small but not free.
-    """
-    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
-    enc = src_len * (8 * d * d + 4 * d * f + 4 * src_len * d)
-    dec = tgt_len * (16 * d * d + 4 * d * f + 4 * tgt_len * d + 4 * src_len * d)
-    cost = {"embed": (src_len + tgt_len) * d * 10, "encoder": enc, "decoder": dec,
-            "encoder_norm": src_len * d * 10, "decoder_norm": tgt_len * d * 10, "output": tgt_len * 2 * v * d}
-    return [float(cost[layer.kind]) for layer in layer_plan(cfg)]
-
-
-def layer_specs(cfg: ModelConfig, seed: int, tp: TensorParallel | None = None) -> list[LayerSpec]:
+def layer_specs(cfg: ModelConfig, seed: int) -> list[LayerSpec]:
     """One spec per plan entry; entry i is initialised from seed + i."""
     specs: list[LayerSpec] = []
     for i, layer in enumerate(layer_plan(cfg)):
         if layer.kind == "embed":
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, tied_weight_attr=["embed.weight"]))
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, tied_weight_attr=["embed.weight"]))
         elif layer.kind == "output":
             # Built on the last stage from another seed, then overwritten by DeepSpeed's broadcast
             # of the first stage's embedding (the tied weight).
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, tp, seed + i, forward_fn=output_logits,
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, forward_fn=output_logits,
                                        tied_weight_attr=["embed.weight"]))
         elif layer.kind == "encoder":
-            specs.append(LayerSpec(EncoderPipe, cfg, tp, seed + i, index=layer.index))
+            specs.append(LayerSpec(EncoderPipe, cfg, seed + i, index=layer.index))
         elif layer.kind == "decoder":
-            specs.append(LayerSpec(DecoderPipe, cfg, tp, seed + i, index=layer.index))
+            specs.append(LayerSpec(DecoderPipe, cfg, seed + i, index=layer.index))
         else:
-            specs.append(LayerSpec(FinalNormPipe, cfg, tp, seed + i, layer.kind.split("_")[0]))
+            specs.append(LayerSpec(FinalNormPipe, cfg, seed + i, layer.kind.split("_")[0]))
     return specs
 
 
 class TranslationPipe(PipelineModule):
-    """PipelineModule whose layers are partitioned by `layer_costs` (partition_method='cost')."""
+    """PipelineModule whose layers are partitioned by parallel/partition.py's `stage_bounds`
+    (partition_method='cost'): model/flops.py's layer costs, balanced."""
 
     def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost",
                  activation_checkpoint_interval: int = 0, tp: TensorParallel | None = None):
         # Set before PipelineModule.__init__, which calls _partition_layers.
         object.__setattr__(self, "_costs", layer_costs(cfg))
         object.__setattr__(self, "_plan", layer_plan(cfg))
+        object.__setattr__(self, "_cfg", cfg)
 
         def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             target, scale = labels
@@ -166,7 +152,7 @@ class TranslationPipe(PipelineModule):
             return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
 
         super().__init__(
-            layers=layer_specs(cfg, seed, tp),
+            layers=layer_specs(cfg, seed),
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
@@ -181,6 +167,8 @@ class TranslationPipe(PipelineModule):
         )
         self.tp = tp
         self.pad_id = cfg.pad_id
+        if tp is not None:  # the built plain stage, made tensor-parallel by the plan
+            parallelize(self, tp, path_of=functools.partial(plain_name, self._plan))
 
     def forward(self, forward_input: tuple[torch.Tensor, ...]):
         """Run this stage's layers on the flow; convert from/to the stage message at its ends."""
@@ -192,7 +180,7 @@ class TranslationPipe(PipelineModule):
     def _partition_layers(self, method: str = "cost") -> None:
         if method != "cost":
             return super()._partition_layers(method)
-        self.parts = partition_balanced(weights=self._costs, num_parts=self.num_stages)
+        self.parts = stage_bounds(self._cfg, self.num_stages)
         stage_id = self._topo.get_coord(self.global_rank).pipe
         self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
@@ -210,23 +198,29 @@ class TranslationPipe(PipelineModule):
         return "\n".join(lines)
 
 
-def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename one stage's `PipelineModule.state_dict()` to `EncoderDecoder` parameter names.
+def plain_name(plan: list, path: str) -> str | None:
+    """The `EncoderDecoder` name of a stage's module or parameter path, None for the pipeline's own
+    wrappers. Stage paths are '<plan index>.<wrapper attr>.<rest>' or 'tied_modules.embed.embed.<rest>';
+    the wrappers hold the plain module as `.layer` (encoder/decoder), `.norm` (final LNs)."""
+    tied = "tied_modules.embed.embed"
+    if path == tied or path.startswith(tied + "."):
+        return "embed" + path[len(tied):]
+    index, _, rest = path.partition(".")
+    wrapper, _, rest = rest.partition(".")
+    if not index.isdigit() or wrapper not in ("layer", "norm"):
+        return None
+    return plan[int(index)].name + ("." + rest if rest else "")
 
-    Pipeline keys are '<plan index>.<wrapper attr>.<rest>' or 'tied_modules.embed.embed.<rest>';
-    the wrappers hold the plain module as `.layer` (encoder/decoder), `.norm` (final LNs).
-    """
+
+def plain_state_dict(cfg: ModelConfig, pipe_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename one stage's `PipelineModule.state_dict()` to `EncoderDecoder` parameter names."""
     plan = layer_plan(cfg)
     out = {}
     for key, value in pipe_state.items():
         if key.endswith("._extra_state"):  # megatron's linears keep a placeholder for Transformer Engine
             continue
-        if key.startswith("tied_modules.embed.embed."):
-            out["embed." + key[len("tied_modules.embed.embed."):]] = value
-            continue
-        index, wrapper, rest = key.split(".", 2)
-        layer = plan[int(index)]
-        if wrapper not in ("layer", "norm"):
+        name = plain_name(plan, key)
+        if name is None:
             raise KeyError(f"unexpected pipeline parameter {key}")
-        out[f"{layer.name}.{rest}"] = value
+        out[name] = value
     return out

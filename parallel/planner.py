@@ -33,11 +33,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
+
+import yaml
 
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
+from model.transformer import layer_plan
 from parallel.accelerator import HOST
+from parallel.partition import stage_bounds
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 GIB = 2**30
 
@@ -73,22 +80,6 @@ KERNEL_EFFICIENCY: dict[str, list[tuple[int, float, str]]] = {
 }
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
-# The paper's models (DESIGN §1). This trainer ties source, target and output embeddings, so its
-# counts are below the paper's where the paper's imply separate tables (3.07B vs 3.2B, 3.70B vs 3.8B).
-_BIG = {"d_model": 512, "heads": 8, "ffn_dim": 2048, "vocab_size": 64000}  # OPUS-100's 64k vocabulary
-NAMED_MODELS: dict[str, dict] = {
-    # Table V; M2M-100's 128k vocabulary
-    "deepnet-100-100-1024": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 1024, "heads": 16,
-                             "ffn_dim": 4096, "vocab_size": 128000},
-    "deepnet-500-500": {"encoder_layers": 500, "decoder_layers": 500, **_BIG},  # Table III, 3.8B
-    "deepnet-100-100": {"encoder_layers": 100, "decoder_layers": 100, **_BIG},  # Table III, 863M
-    "deepnet-48-48": {"encoder_layers": 48, "decoder_layers": 48, **_BIG},  # Table IV
-    # CPU efficiency (issue 8): vocabulary from the data
-    "base-6-6": {"encoder_layers": 6, "decoder_layers": 6, "d_model": 512, "heads": 8, "ffn_dim": 2048},
-    "tiny-100-100": {"encoder_layers": 100, "decoder_layers": 100, "d_model": 64, "heads": 2, "ffn_dim": 128},
-}
-
-
 def kernel_efficiency(key: str, d_model: int) -> tuple[float, str]:
     """The default kernel efficiency for GPU type `key` and a model of width `d_model`, and the
     measurement it comes from (the entry of the nearest measured width, on a log scale)."""
@@ -109,11 +100,23 @@ def device_key(gpu_name: str) -> str | None:
     return None
 
 
-def named_model(name: str, vocab_size: int = 0) -> ModelConfig:
-    """A model of NAMED_MODELS; `vocab_size` fills in the shapes that take it from the data."""
-    if name not in NAMED_MODELS:
-        raise ValueError(f"unknown model {name!r}: give a YAML config path or one of {sorted(NAMED_MODELS)}")
-    return ModelConfig(**{"vocab_size": vocab_size, **NAMED_MODELS[name]})
+def named_shapes() -> list[str]:
+    """The named model shapes: the run configs in configs/ (one registry; the paper's models,
+    the CPU benchmark shapes and the bundled defaults)."""
+    return sorted(name[:-len(".yaml")] for name in os.listdir(CONFIG_DIR) if name.endswith(".yaml"))
+
+
+def named_model(name: str) -> ModelConfig:
+    """The model section of configs/<name>.yaml, its vocabulary from the data section where the
+    model section leaves it to the data."""
+    path = os.path.join(CONFIG_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        raise ValueError(f"unknown model {name!r}: give a YAML config path or one of {named_shapes()}")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    model = dict(raw.get("model") or {})
+    model["vocab_size"] = model.get("vocab_size") or (raw.get("data") or {}).get("vocab_size", 0)
+    return ModelConfig(**model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,15 +197,6 @@ STATE_BYTES = {
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
-    """Layer-plan indices where stages start (pp + 1 bounds): the trainer's own partition of its
-    cost model (parallel/partition.py, milliseconds even for 1,000 layers)."""
-    from parallel.partition import partition_balanced
-    from parallel.pipeline import layer_costs
-
-    return partition_balanced(layer_costs(cfg), pp)
-
-
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
     """The plan-layer kinds of each stage (cached: the planner asks for every stage of every layout)."""
     return _stage_kinds(tuple(sorted(dataclasses.asdict(cfg).items())), pp)
@@ -210,8 +204,6 @@ def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
 
 @functools.lru_cache(maxsize=4096)
 def _stage_kinds(key: tuple, pp: int) -> list[list[str]]:
-    from model.transformer import layer_plan
-
     cfg = ModelConfig(**dict(key))
     kinds = [layer.kind for layer in layer_plan(cfg)]
     bounds = stage_bounds(cfg, pp)

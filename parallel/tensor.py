@@ -1,38 +1,45 @@
-"""Tensor parallelism inside pipeline stages, from megatron-core's layers.
+"""Tensor parallelism applied from outside: a plan of module paths → styles, applied to a built stage.
 
-`shard_(module, tp)` turns a plain layer (already initialised, full size) into its tensor-parallel
-version in place: Q/K/V and FFN fc1 become column-parallel, the attention output projection and
-FFN fc2 row-parallel, the shared embedding vocabulary-parallel. Each rank copies its slice of the
-full matrix, so sharded init equals the unsharded model's exactly — including DeepNorm's β, whose
-Xavier fans are those of the full matrix.
+`parallelize(module, tp)` walks a built plain module (a pipeline stage or the whole model, already
+initialised at full size) and gives each module whose path matches a pattern of `TP_PLAN` its
+tensor-parallel style, with megatron-core's layers:
+
+  embed               vocabulary-parallel (megatron's VocabParallelEmbedding for the lookup; the
+                      tied output projection gives this rank's vocabulary slice of the logits)
+  *attn.[qkv]_proj    column-parallel (each rank computes its heads' queries, keys, values)
+  *attn.out_proj      row-parallel (input split by heads, output all-reduced)
+  *ffn.fc1 / fc2      column- / row-parallel
+  *.inner_norm        Sub-LN's LayerNorm over the sharded features (statistics all-reduced)
+  *attn               told its local head count; its dropout draws from the model-parallel RNG
+  *ffn                its dropout draws from the model-parallel RNG
+
+Paths are the plain model's (`EncoderDecoder`): a pipeline stage passes `path_of`, which maps
+its module paths to those (parallel/pipeline.py `plain_name`). The plain modules keep their class
+and their forward: a style replaces a child linear or LayerNorm, sets the embedding's `lookup`
+and `logits`, sets an attention's head count, or adds forward hooks. Each rank copies its slice of
+the full matrix, so sharded init equals the unsharded model's exactly (including DeepNorm's β,
+whose Xavier fans are those of the full matrix). The same plan says how each parameter is split
+(`shard_dim`), for consolidating a tensor-parallel checkpoint.
 
 Dropout inside tensor-parallel regions (attention probabilities of the local heads, FFN
 activations of the local columns) draws from DeepSpeed's model-parallel RNG tracker, seeded per
-tensor-parallel rank and saved/restored by DeepSpeed's activation checkpointing on CPU and GPU.
-Dropout on the replicated residual stream uses the default RNG, which the trainer seeds from the
-stage and replica only (parallel/rng.py; DeepSpeed's per-layer seeding is off), so it is identical
-across the tensor-parallel ranks of a stage, as the replicated activations require.
-
-`SHARD_DIM` tells, per parameter name suffix, along which dimension a parameter is split (None:
-replicated), for consolidating a tensor-parallel checkpoint.
+tensor-parallel rank (`seed_tensor_parallel_rng`) and saved/restored by DeepSpeed's activation
+checkpointing on CPU and GPU. Dropout on the replicated residual stream uses the default RNG,
+which the trainer seeds per stage and replica but not per tensor-parallel rank
+(parallel/rng.py `seed_dropout`), so it stays identical across tensor-parallel ranks, as the
+replicated activations require.
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from model.layers import FeedForward, MultiheadAttention, SharedEmbedding
-
-SHARD_DIM = {
-    "q_proj.weight": 0, "q_proj.bias": 0, "k_proj.weight": 0, "k_proj.bias": 0,
-    "v_proj.weight": 0, "v_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None,
-    "fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None, "embed.weight": 0,
-    "inner_norm.weight": 0, "inner_norm.bias": 0,
-}
 
 
 def megatron():
@@ -76,9 +83,8 @@ def rng_fork():
 
 
 def seed_tensor_parallel_rng(seed: int, tp_rank: int) -> None:
-    """Seed the model-parallel RNG state with `seed` + 2718 + tp_rank (DeepSpeed's convention):
-    different per tensor-parallel rank. The trainer passes a seed that differs per stage and
-    replica (launcher/train.py), so no two stages or replicas draw the same sharded masks."""
+    """Seed the model-parallel RNG state, different per tensor-parallel rank (DeepSpeed's
+    convention: seed + 2718 + tp_rank); the trainer offsets `seed` per stage and replica."""
     from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()
@@ -86,6 +92,50 @@ def seed_tensor_parallel_rng(seed: int, tp_rank: int) -> None:
     tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
 
 
+def _mark_sharded(weight: torch.Tensor, dim: int) -> None:
+    """Tag a sharded parameter the way megatron's own init does. With perform_initialization=False
+    megatron never tags weights, and DeepSpeed's gradient norm then counts them on tensor-parallel
+    rank 0 only (a silently wrong clipping norm, caught by the tests)."""
+    _, tensor_parallel, _ = megatron()
+    tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+
+
+class Style:
+    """How one module becomes tensor-parallel. `dims`: along which dimension each of its own
+    parameters is split (absent: replicated)."""
+
+    dims: dict[str, int] = {}
+
+    def apply(self, module: nn.Module, tp: TensorParallel) -> nn.Module:
+        """The module to put in its place (the same one when changed in place)."""
+        raise NotImplementedError
+
+
+class ColumnParallel(Style):
+    """nn.Linear → megatron's ColumnParallelLinear: the output features split, not gathered."""
+
+    dims = {"weight": 0, "bias": 0}
+
+    def apply(self, linear: nn.Linear, tp: TensorParallel) -> nn.Module:
+        column, _ = _linear_classes()
+        new = column(linear.in_features, linear.out_features, config=tp.config, init_method=lambda w: None,
+                     bias=linear.bias is not None, gather_output=False, tp_group=tp.group)
+        return _copy_shards(new, linear, self.dims, tp)
+
+
+class RowParallel(Style):
+    """nn.Linear → megatron's RowParallelLinear: input features split, output all-reduced, bias whole."""
+
+    dims = {"weight": 1}
+
+    def apply(self, linear: nn.Linear, tp: TensorParallel) -> nn.Module:
+        _, row = _linear_classes()
+        new = row(linear.in_features, linear.out_features, config=tp.config, init_method=lambda w: None,
+                  bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False, tp_group=tp.group)
+        return _copy_shards(new, linear, self.dims, tp)
+
+
+@functools.cache
 def _linear_classes():
     _, tensor_parallel, _ = megatron()
 
@@ -104,73 +154,26 @@ def _linear_classes():
     return ColumnLinear, RowLinear
 
 
-def _mark_sharded(weight: torch.Tensor, dim: int) -> None:
-    """Tag a sharded parameter the way megatron's own init does. With perform_initialization=False
-    megatron never tags weights, and DeepSpeed's gradient norm then counts them on tensor-parallel
-    rank 0 only (a silently wrong clipping norm, caught by the tests)."""
-    _, tensor_parallel, _ = megatron()
-    tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
+def _inherit_tags(new: torch.Tensor, old: torch.Tensor) -> None:
+    """Give a parameter's replacement the attributes its owner's framework set on the original
+    (DeepSpeed marks the tied embedding's copy on the last stage `ds_pipe_replicated`, so that the
+    gradient norm counts it once; a shard without the mark is counted twice)."""
+    for key, value in vars(old).items():
+        if not hasattr(new, key):
+            setattr(new, key, value)
 
 
-def _column(linear: nn.Linear, tp: TensorParallel) -> nn.Module:
-    column, _ = _linear_classes()
-    new = column(linear.in_features, linear.out_features, config=tp.config, init_method=lambda w: None,
-                 bias=linear.bias is not None, gather_output=False, tp_group=tp.group)
+def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: TensorParallel) -> nn.Module:
+    """Fill `new`'s parameters from `full`'s (this rank's slice where `dims` splits them)."""
+    new.to(full.weight.device)
     with torch.no_grad():
-        new.weight.copy_(tp.shard(linear.weight, 0))
-        if linear.bias is not None:
-            new.bias.copy_(tp.shard(linear.bias, 0))
-    _mark_sharded(new.weight, 0)
+        for name, param in new.named_parameters(recurse=False):
+            source = getattr(full, name)
+            param.copy_(tp.shard(source, dims[name]) if name in dims else source)
+            _inherit_tags(param, source)
+            if name in dims and not hasattr(param, "tensor_model_parallel"):  # megatron tags its biases
+                _mark_sharded(param, dims[name])
     return new
-
-
-def _row(linear: nn.Linear, tp: TensorParallel) -> nn.Module:
-    _, row = _linear_classes()
-    new = row(linear.in_features, linear.out_features, config=tp.config, init_method=lambda w: None,
-              bias=linear.bias is not None, input_is_parallel=True, skip_bias_add=False, tp_group=tp.group)
-    with torch.no_grad():
-        new.weight.copy_(tp.shard(linear.weight, 1))
-        if linear.bias is not None:
-            new.bias.copy_(linear.bias)
-    _mark_sharded(new.weight, 1)
-    return new
-
-
-class TensorParallelAttention(MultiheadAttention):
-    """Attention over this rank's heads; attention dropout from the model-parallel RNG."""
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        with rng_fork():
-            return super().forward(*args, **kwargs)
-
-
-class TensorParallelFeedForward(FeedForward):
-    """FFN over this rank's columns; activation dropout from the model-parallel RNG."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with rng_fork():
-            return super().forward(x)
-
-
-class VocabParallelSharedEmbedding(SharedEmbedding):
-    """The shared embedding with its vocabulary split across tensor-parallel ranks.
-
-    Lookup is megatron's VocabParallelEmbedding (masked local lookup + all-reduce); `logits`
-    returns this rank's vocabulary slice of the logits [.., V/tp].
-    """
-
-    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        length = tokens.size(1)
-        if offset + length > self.positions.size(0):
-            raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
-                             f"{self.positions.size(0)}")
-        x = self.scale * self.lookup(tokens) + self.positions[offset:offset + length]
-        return self.dropout(x)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        _, tensor_parallel, _ = megatron()
-        h = tensor_parallel.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
-        return F.linear(h, self.weight)
 
 
 class TensorParallelLayerNorm(nn.Module):
@@ -187,6 +190,8 @@ class TensorParallelLayerNorm(nn.Module):
         self.group = tp.group
         self.weight = nn.Parameter(tp.shard(norm.weight.detach(), 0))
         self.bias = nn.Parameter(tp.shard(norm.bias.detach(), 0))
+        _inherit_tags(self.weight, norm.weight)
+        _inherit_tags(self.bias, norm.bias)
         _mark_sharded(self.weight, 0)
         _mark_sharded(self.bias, 0)
 
@@ -199,44 +204,137 @@ class TensorParallelLayerNorm(nn.Module):
         return centred * torch.rsqrt(var + self.eps) * self.weight + self.bias
 
 
-def _vocab_parallel_embedding(embed: SharedEmbedding, tp: TensorParallel) -> SharedEmbedding:
+class ShardedLayerNorm(Style):
+    """An inner LayerNorm over sharded features → TensorParallelLayerNorm (strategies without
+    inner norms hold an nn.Identity there: nothing to shard)."""
+
+    dims = {"weight": 0, "bias": 0}
+
+    def apply(self, norm: nn.Module, tp: TensorParallel) -> nn.Module:
+        return TensorParallelLayerNorm(norm, tp) if isinstance(norm, nn.LayerNorm) else norm
+
+
+def _model_parallel_dropout(module: nn.Module) -> None:
+    """Run `module`'s forward inside the model-parallel RNG fork (forward hooks: the module's own
+    forward is unchanged; the closing hook runs even when the forward raises)."""
+
+    def enter(mod: nn.Module, args) -> None:
+        fork = rng_fork()
+        fork.__enter__()
+        mod.__dict__["_rng_fork"] = fork
+
+    def leave(mod: nn.Module, args, output) -> None:
+        mod.__dict__.pop("_rng_fork").__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+
+
+class HeadParallel(Style):
+    """Attention over this rank's heads: told its local head count (its projections are split by
+    the column/row styles); its dropout draws from the model-parallel RNG."""
+
+    def apply(self, attention: nn.Module, tp: TensorParallel) -> nn.Module:
+        if attention.heads % tp.size:
+            raise ValueError(f"model.heads={attention.heads} is not divisible by tensor_parallel={tp.size}")
+        attention.heads = attention.heads // tp.size
+        _model_parallel_dropout(attention)
+        return attention
+
+
+class ModelParallelDropout(Style):
+    """A module computing on sharded features (the FFN's local columns): its dropout draws from
+    the model-parallel RNG."""
+
+    def apply(self, module: nn.Module, tp: TensorParallel) -> nn.Module:
+        _model_parallel_dropout(module)
+        return module
+
+
+@dataclass
+class VocabParallelLookup:
+    """The embedding's row lookup, vocabulary-parallel: megatron's VocabParallelEmbedding (masked
+    local lookup + all-reduce) on this rank's rows. Held as a plain attribute, outside the module
+    tree, so the state dict keeps the embedding's own parameter name."""
+
+    module: nn.Module
+    group: object
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.module(tokens)
+
+
+def vocab_parallel_logits(weight: nn.Parameter, group, h: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the tied output projection: copy h into the region (its
+    gradient all-reduced in backward), then h·E_localᵀ."""
     _, tensor_parallel, _ = megatron()
-    vocab, d = embed.weight.shape
-    lookup = tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=lambda w: None, config=tp.config,
-                                                    tp_group=tp.group)
-    with torch.no_grad():
-        lookup.weight.copy_(tp.shard(embed.weight, 0))
-    _mark_sharded(lookup.weight, 0)
-    embed.__class__ = VocabParallelSharedEmbedding
-    # One parameter, registered once: the embedding's weight *is* the lookup's local shard. The
-    # lookup module is kept out of the module tree so the state dict keeps the plain name only.
-    del embed.weight
-    embed.weight = lookup.weight
-    object.__setattr__(embed, "lookup", lookup)
-    embed.tp_group = tp.group
-    return embed
+    return F.linear(tensor_parallel.copy_to_tensor_model_parallel_region(h, group=group), weight)
 
 
-def shard_(module: nn.Module, tp: TensorParallel) -> nn.Module:
-    """Make every attention, FFN and shared embedding inside `module` tensor-parallel, in place."""
-    for sub in list(module.modules()):
-        if isinstance(sub, MultiheadAttention):
-            if sub.heads % tp.size:
-                raise ValueError(f"model.heads={sub.heads} is not divisible by tensor_parallel={tp.size}")
-            sub.q_proj, sub.k_proj, sub.v_proj = (_column(lin, tp) for lin in (sub.q_proj, sub.k_proj, sub.v_proj))
-            sub.out_proj = _row(sub.out_proj, tp)
-            if isinstance(getattr(sub, "inner_norm", None), nn.LayerNorm):
-                sub.inner_norm = TensorParallelLayerNorm(sub.inner_norm, tp)
-            sub.heads //= tp.size
-            sub.__class__ = TensorParallelAttention
-        elif isinstance(sub, FeedForward):
-            sub.fc1, sub.fc2 = _column(sub.fc1, tp), _row(sub.fc2, tp)
-            if isinstance(getattr(sub, "inner_norm", None), nn.LayerNorm):
-                sub.inner_norm = TensorParallelLayerNorm(sub.inner_norm, tp)
-            sub.__class__ = TensorParallelFeedForward
-        elif isinstance(sub, SharedEmbedding):
-            _vocab_parallel_embedding(sub, tp)
+class VocabParallel(Style):
+    """The shared embedding (model/layers.py SharedEmbedding) with its vocabulary split: its
+    `lookup` becomes megatron's VocabParallelEmbedding over the local rows and its `logits` the
+    local slice [.., V/tp]; its forward (scale, positions, dropout) is unchanged."""
+
+    dims = {"weight": 0}
+
+    def apply(self, embed: nn.Module, tp: TensorParallel) -> nn.Module:
+        _, tensor_parallel, _ = megatron()
+        vocab, d = embed.weight.shape
+        lookup = tensor_parallel.VocabParallelEmbedding(vocab, d, init_method=lambda w: None, config=tp.config,
+                                                        tp_group=tp.group).to(embed.weight.device)
+        with torch.no_grad():
+            lookup.weight.copy_(tp.shard(embed.weight, 0))
+        _mark_sharded(lookup.weight, 0)
+        _inherit_tags(lookup.weight, embed.weight)
+        # One parameter, registered once: the embedding's weight *is* the lookup's local shard.
+        del embed.weight
+        embed.weight = lookup.weight
+        embed.lookup = VocabParallelLookup(lookup, tp.group)
+        embed.logits = functools.partial(vocab_parallel_logits, lookup.weight, tp.group)
+        return embed
+
+
+# Module path (fnmatch pattern over the plain model's names) → style; the first match applies.
+TP_PLAN: dict[str, Style] = {
+    "embed": VocabParallel(),
+    "*attn.[qkv]_proj": ColumnParallel(),
+    "*attn.out_proj": RowParallel(),
+    "*attn.inner_norm": ShardedLayerNorm(),
+    "*attn": HeadParallel(),
+    "*ffn.fc1": ColumnParallel(),
+    "*ffn.fc2": RowParallel(),
+    "*ffn.inner_norm": ShardedLayerNorm(),
+    "*ffn": ModelParallelDropout(),
+}
+
+
+def style_of(path: str, plan: dict[str, Style] = TP_PLAN) -> Style | None:
+    """The style of the module at `path` (a plain model name), None when it stays replicated."""
+    return next((style for pattern, style in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
+
+
+def parallelize(module: nn.Module, tp: TensorParallel, path_of: Callable[[str], str | None] = lambda p: p,
+                plan: dict[str, Style] = TP_PLAN) -> nn.Module:
+    """Apply `plan` to the built plain `module` in place and return it. `path_of` maps a module
+    path of `module` to its plain model name (None: a wrapper the plan does not address)."""
+    for path, sub in list(module.named_modules()):
+        name = path_of(path)
+        style = style_of(name, plan) if name is not None else None
+        if style is None:
+            continue
+        new = style.apply(sub, tp)
+        if new is not sub:
+            parent, _, attr = path.rpartition(".")
+            setattr(module.get_submodule(parent), attr, new)
     return module
+
+
+def shard_dim(name: str, plan: dict[str, Style] = TP_PLAN) -> int | None:
+    """Along which dimension the parameter `name` (a plain model name) is split, None when replicated."""
+    path, _, param = name.rpartition(".")
+    style = style_of(path, plan)
+    return None if style is None else style.dims.get(param)
 
 
 def vocab_parallel_smoothed_loss_sum(local_logits: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,
@@ -278,6 +376,6 @@ def merge_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
         return dict(shards[0])
     merged = {}
     for name, first in shards[0].items():
-        dim = next((d for suffix, d in SHARD_DIM.items() if name.endswith(suffix)), None)
+        dim = shard_dim(name)
         merged[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
     return merged

@@ -37,7 +37,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from torch import nn
 
 from model.layers import SharedEmbedding
-from parallel.tensor import TensorParallelLayerNorm, VocabParallelSharedEmbedding
+from parallel.tensor import TensorParallelLayerNorm, VocabParallelLookup
 from parallel.zb_timeline import simulate, zb_h1_order
 
 
@@ -241,16 +241,9 @@ def _layer_norm_forward(module: nn.LayerNorm, store: WeightGradStore, x: torch.T
     return _SplitLayerNorm.apply(x, module.weight, module.bias, list(module.normalized_shape), module.eps, store)
 
 
-def _embedding_forward(module: SharedEmbedding, store: WeightGradStore, tokens: torch.Tensor,
-                       offset: int = 0) -> torch.Tensor:
-    """SharedEmbedding.forward with the lookup split (same operations in the same order)."""
-    length = tokens.size(1)
-    if offset + length > module.positions.size(0):
-        raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
-                         f"{module.positions.size(0)}")
-    x = module.scale * _SplitEmbedding.apply(tokens, module.weight, module.pad_id, store)
-    x = x + module.positions[offset:offset + length].to(x.dtype)
-    return module.dropout(x)
+def _lookup(module: SharedEmbedding, store: WeightGradStore, tokens: torch.Tensor) -> torch.Tensor:
+    """SharedEmbedding.lookup with its backward split (its forward is unchanged around it)."""
+    return _SplitEmbedding.apply(tokens, module.weight, module.pad_id, store)
 
 
 def _logits(module: SharedEmbedding, store: WeightGradStore, h: torch.Tensor) -> torch.Tensor:
@@ -277,31 +270,24 @@ def _row_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> 
     return y if module.bias is None else _SplitBias.apply(y, module.bias, store)
 
 
-def _vocab_parallel_forward(module: nn.Module, store: WeightGradStore, tokens: torch.Tensor,
-                            offset: int = 0) -> torch.Tensor:
-    """VocabParallelSharedEmbedding.forward with megatron's masked local lookup split."""
+def _vocab_parallel_lookup(vocab: VocabParallelLookup, store: WeightGradStore, tokens: torch.Tensor) -> torch.Tensor:
+    """VocabParallelLookup (megatron's masked local lookup + all-reduce) with the lookup split."""
     from parallel.tensor import megatron
 
-    length = tokens.size(1)
-    if offset + length > module.positions.size(0):
-        raise ValueError(f"sequence of {offset + length} tokens exceeds model.max_positions="
-                         f"{module.positions.size(0)}")
-    lookup = module.lookup
+    lookup = vocab.module
     outside = (tokens < lookup.vocab_start_index) | (tokens >= lookup.vocab_end_index)
     local = tokens.clone() - lookup.vocab_start_index
     local[outside] = 0
-    rows = _SplitEmbedding.apply(local, module.weight, None, store)
+    rows = _SplitEmbedding.apply(local, lookup.weight, None, store)
     rows[outside, :] = 0.0
-    x = megatron()[1].reduce_from_tensor_model_parallel_region(rows, group=lookup.tp_group)
-    x = module.scale * x + module.positions[offset:offset + length]
-    return module.dropout(x)
+    return megatron()[1].reduce_from_tensor_model_parallel_region(rows, group=vocab.group)
 
 
-def _vocab_parallel_logits(module: nn.Module, store: WeightGradStore, h: torch.Tensor) -> torch.Tensor:
+def _vocab_parallel_logits(vocab: VocabParallelLookup, store: WeightGradStore, h: torch.Tensor) -> torch.Tensor:
     from parallel.tensor import megatron
 
-    h = megatron()[1].copy_to_tensor_model_parallel_region(h, group=module.tp_group)
-    return _SplitLinear.apply(h, module.weight, None, store)
+    h = megatron()[1].copy_to_tensor_model_parallel_region(h, group=vocab.group)
+    return _SplitLinear.apply(h, vocab.module.weight, None, store)
 
 
 def _tp_layer_norm_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
@@ -325,12 +311,13 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
             sub.forward = functools.partial(_linear_forward, sub, store)
         elif type(sub) is nn.LayerNorm and sub.elementwise_affine:
             sub.forward = functools.partial(_layer_norm_forward, sub, store)
+        elif type(sub) is SharedEmbedding and isinstance(sub.lookup, VocabParallelLookup):
+            vocab = sub.lookup
+            sub.lookup = functools.partial(_vocab_parallel_lookup, vocab, store)
+            sub.logits = functools.partial(_vocab_parallel_logits, vocab, store)
         elif type(sub) is SharedEmbedding:
-            sub.forward = functools.partial(_embedding_forward, sub, store)
+            sub.lookup = functools.partial(_lookup, sub, store)
             sub.logits = functools.partial(_logits, sub, store)
-        elif type(sub) is VocabParallelSharedEmbedding:
-            sub.forward = functools.partial(_vocab_parallel_forward, sub, store)
-            sub.logits = functools.partial(_vocab_parallel_logits, sub, store)
         elif type(sub) is TensorParallelLayerNorm:
             sub.forward = functools.partial(_tp_layer_norm_forward, sub, store)
         elif "ColumnParallelLinear" in (bases := {c.__name__ for c in type(sub).__mro__}):

@@ -20,6 +20,19 @@ TINY_MODEL = {"encoder_layers": 3, "decoder_layers": 3, "d_model": 32, "heads": 
               "norm": "deepnorm", "dropout": 0.0}
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module's tests: the models are tiny, a second thread gains
+    nothing, and on a loaded machine OpenMP's spinning threads made the single-process references
+    5-30× slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> str:
     from data.config import DataConfig
@@ -43,6 +56,16 @@ def write_run_config(path: str, run_dir: str, data_dir: str, **sections) -> str:
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
     return path
+
+
+def run_worker(world_size: int, script: str, out: str, args: list[str]) -> dict:
+    """`launch` a worker that writes its result as JSON to `out` (it gets `--out out`); its result."""
+    import json
+
+    proc = launch(world_size, script, ["--out", out, *args])
+    assert proc.returncode == 0, f"{script} failed (its output is above)"
+    with open(out) as f:
+        return json.load(f)
 
 
 def launch(world_size: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:

@@ -54,7 +54,7 @@ def test_bottleneck_is_optimal_and_never_worse_than_deepspeeds_on_random_costs()
 
 
 def test_a_thousand_layers_into_64_stages_in_well_under_half_a_second():
-    from parallel.pipeline import layer_costs
+    from model.flops import layer_costs
     from parallel.planner import named_model
 
     costs = layer_costs(named_model("deepnet-500-500"))
@@ -73,7 +73,7 @@ def test_small_plans_get_deepspeeds_partition_where_it_is_optimal():
     from deepspeed.runtime.utils import partition_balanced as deepspeed_partition
 
     from model.config import ModelConfig
-    from parallel.pipeline import layer_costs
+    from model.flops import layer_costs
 
     compared = 0
     for layers, d, vocab in ((6, 128, 4000), (6, 64, 1000), (12, 128, 4000), (6, 512, 4000)):

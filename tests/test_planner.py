@@ -74,7 +74,7 @@ def test_activation_formula_equals_saved_tensors(dropout):
 def test_partition_is_the_trainers_or_as_balanced():
     from deepspeed.runtime.utils import partition_balanced
 
-    from parallel.pipeline import layer_costs
+    from model.flops import layer_costs
 
     small = ModelConfig(encoder_layers=6, decoder_layers=6, d_model=64, heads=2, ffn_dim=128, vocab_size=1000)
     for pp in (2, 3, 4):

@@ -23,14 +23,7 @@ from model.transformer import EncoderDecoder
 ALL = sorted(STRATEGIES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # These models are tiny: a second intra-op thread gains nothing, and on a loaded machine
-    # OpenMP's spinning threads made the single-process references 5-30× slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small(norm: str, **kw) -> ModelConfig:
@@ -218,55 +211,6 @@ PP_STEPS, PP_SAVE_AT = 4, 2
 INSTRUMENTED = ["postln", "subln", "branchnorm"]  # a Post-LN, a Pre-LN style and a stepped strategy
 
 
-def reference_with_instruments(cfg, steps: int) -> dict:
-    """The trainer's recipe in one process (tests/reference.py) plus BranchNorm's step and the
-    instruments of model/instruments.py on the dev split's middle batch, every step."""
-    import os
-
-    from data.batching import BatchStream, PairDataset, eval_batches
-    from data.prepare import load_manifest
-    from model.instruments import ProbeMonitor
-    from model.transformer import smoothed_loss_sum
-    from parallel.engine import inverse_sqrt
-
-    data_dir = os.path.join(cfg.run_dir, "data")
-    cfg.model.vocab_size = cfg.model.vocab_size or load_manifest(data_dir)["vocab_size"]
-    model = EncoderDecoder(cfg.model, seed=cfg.train.seed)
-    t = cfg.train
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(t.warmup_steps))
-    stream = BatchStream(PairDataset(os.path.join(data_dir, "train")), cfg.data.max_tokens, cfg.data.seed,
-                         cfg.data.sampling_temperature)
-    dev = eval_batches(PairDataset(os.path.join(data_dir, "dev")), cfg.data.max_tokens)
-    monitor = ProbeMonitor(model, dev[len(dev) // 2], cfg.model.pad_id)
-    first = monitor.measure()
-    out = {"loss": [], "grad_norm": [], "delta_f": [first["delta_f"]], "ln_input": [first["ln_input"]],
-           "layer_grad": [None]}
-    for step in range(steps):
-        set_training_step(model, step)
-        batches = stream.next_step(t.micro_batches)
-        total = sum(int(b["ntokens"]) for b in batches)
-        step_loss = 0.0
-        with monitor.gradients() as grads:
-            for b in batches:
-                loss = smoothed_loss_sum(model(b["src"], b["tgt_in"]), b["tgt_out"], cfg.model.pad_id,
-                                         cfg.model.label_smoothing) / total
-                loss.backward()
-                step_loss += loss.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        set_training_step(model, step + 1)
-        m = monitor.measure()
-        out["loss"].append(step_loss)
-        out["grad_norm"].append(norm.item())
-        out["delta_f"].append(m["delta_f"])
-        out["ln_input"].append(m["ln_input"])
-        out["layer_grad"].append(grads.result())
-    return out
-
-
 def read_stability_csv(run_dir: str) -> list[dict]:
     """metrics/stability.csv as one dict per logged step, in the order written."""
     import csv
@@ -290,6 +234,7 @@ def pp2_strategies(tiny_data, tmp_path_factory):
 
     from launcher.config import load_config
     from tests.conftest import launch, write_run_config
+    from tests.reference import reference_run
 
     work = tmp_path_factory.mktemp("strategies")
     config = write_run_config(str(work / "pp2.yaml"), str(work / "run"), tiny_data,
@@ -305,7 +250,7 @@ def pp2_strategies(tiny_data, tmp_path_factory):
     for norm in ALL:
         cfg = copy.deepcopy(load_config(config))
         cfg.model.norm, cfg.model.branchnorm_max_norm_step = norm, 3
-        refs[norm] = reference_with_instruments(cfg, PP_STEPS)
+        refs[norm] = reference_run(cfg, PP_STEPS, instruments=True)
     logs = {norm: read_stability_csv(str(work / f"run-{norm}")) for norm in INSTRUMENTED}
     return result, refs, logs
 

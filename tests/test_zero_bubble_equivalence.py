@@ -7,30 +7,18 @@ without activation checkpointing, in the default order (no pending weight passes
 dropout and checkpointing, ZB-H1 against 1F1B (same dropout streams); megatron-core's
 tensor-parallel layers split the same way.
 """
-import glob
 import json
 
 import pytest
 import torch
 
-from parallel.tensor import merge_shards
-
 from launcher.config import load_config
 from tests.conftest import launch, write_run_config
-from tests.reference import reference_run
+from tests.reference import load_params, reference_run
 
 STEPS, LR = 3, 0.001
 SCENARIOS = {(2, 1): "zb,zb_paper,zb_ac,zb_drop,1f1b_drop", (3, 1): "zb,zb_paper,zb_drop,1f1b_drop",
              (2, 2): "zb,zb_subln"}
-
-
-def _params(out: str, name: str) -> dict[str, torch.Tensor]:
-    params = {}
-    for stage in sorted({p.split(".stage")[1].split(".")[0] for p in glob.glob(f"{out}.{name}.stage*.pt")}):
-        paths = sorted(glob.glob(f"{out}.{name}.stage{stage}.tp*.pt"))
-        shards = [torch.load(path, weights_only=True) for path in paths]
-        params.update(merge_shards(shards))
-    return params
 
 
 @pytest.fixture(scope="module", params=list(SCENARIOS), ids=["pp2", "pp3", "pp2tp2"])
@@ -46,7 +34,7 @@ def zb_run(request, tiny_data, tmp_path_factory):
     assert proc.returncode == 0, "zero-bubble worker failed (its output is above)"
     with open(out) as f:
         result = json.load(f)
-    params = {name: _params(out, name) for name in result}
+    params = {name: load_params(f"{out}.{name}") for name in result}
     refs = {"deepnorm": reference_run(load_config(config), STEPS)}
     if "zb_subln" in result:
         refs["subln"] = reference_run(load_config(config, {"model": {"norm": "subln"}}), STEPS)

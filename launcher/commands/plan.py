@@ -12,9 +12,9 @@ HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from parallel.planner import DEVICES, NAMED_MODELS
+    from parallel.planner import DEVICES, named_shapes
 
-    parser.add_argument("model", help=f"a YAML run config, or one of {', '.join(NAMED_MODELS)}")
+    parser.add_argument("model", help=f"a YAML run config, or the name of one in configs/: {', '.join(named_shapes())}")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpu", required=True, choices=sorted(DEVICES), help="GPU type")
     parser.add_argument("--nodes", type=int, help="nodes (default: GPUs / 8); GPUs per node = gpus / nodes")

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from parallel.engine import setup_distributed  # noqa: E402
-from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
+from tests.dist.common import fresh_run_dir, record_steps  # noqa: E402
 
 
 def run(cfg, precision: str, steps: int, name: str) -> dict:

@@ -25,15 +25,11 @@ from data.batching import eval_batches  # noqa: E402
 from launcher.cli import main as cli  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
+from tests.dist.common import record_steps  # noqa: E402
 
 
 def losses(trainer: Trainer, steps: int, save_at: int | None = None) -> list[float]:
-    out = []
-    while trainer.step < steps:
-        out.append(trainer.train_step()["loss"])
-        if trainer.step == save_at:
-            trainer.save()
-    return out
+    return record_steps(trainer, steps, save_at)["loss"]
 
 
 def main() -> None:

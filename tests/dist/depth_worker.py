@@ -20,9 +20,9 @@ import torch  # noqa: E402
 
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
+from tests.dist.common import dump_params, record_steps  # noqa: E402
 from model.norms import PostNormResidual  # noqa: E402
 from model.transformer import layer_plan  # noqa: E402
-from parallel.pipeline import plain_state_dict  # noqa: E402
 
 RESIDUALS = ("self_attn_res", "cross_attn_res", "ffn_res")
 
@@ -55,16 +55,10 @@ def main() -> None:
     start = time.perf_counter()
     trainer = Trainer(cfg, max_steps=args.steps)
     built = time.perf_counter() - start
-    result = {"loss": [], "grad_norm": [], "lr": [], "parts": [int(x) for x in trainer.module.parts]}
-    while trainer.step < args.steps:
-        r = trainer.train_step()
-        result["loss"].append(r["loss"])
-        result["grad_norm"].append(r["grad_norm"])
-        result["lr"].append(r["lr"])
+    result = {"parts": [int(x) for x in trainer.module.parts], **record_steps(trainer, args.steps)}
     result["seconds"] = {"build": built, "steps": time.perf_counter() - start - built}
 
-    state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
-    torch.save(plain_state_dict(cfg.model, state), f"{args.out}.params.stage{trainer.engine.stage_id}.pt")
+    dump_params(trainer, f"{args.out}.params")
     stages: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(stages, {"stage": trainer.engine.stage_id, **stage_contents(trainer)})
     result["stages"] = sorted(stages, key=lambda s: s["stage"])

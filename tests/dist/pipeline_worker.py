@@ -1,83 +1,59 @@
 """Runs under the deepspeed launcher: several pipeline checks in one launch (start-up is costly).
 
-plain:  train `--steps` steps with the real Trainer, recording per step the loss, the global
-        gradient norm and the micro-batch shapes; checkpoint after `--save-at` steps; write each
-        stage's parameters under the plain model's names; resume a fresh Trainer from the
-        checkpoint in a second run directory and record the remaining steps.
+Scenarios (`--scenarios`, comma-separated):
+plain:    train `--steps` steps with the real Trainer, recording per step the loss, the global
+          gradient norm, the learning rate and the micro-batch shapes; checkpoint after
+          `--save-at` steps; write each stage's parameters under the plain model's names
+          (`--out`.params.stage<s>.tp<t>.pt); resume a fresh Trainer from the checkpoint in a
+          second run directory and record the remaining steps.
 activation_checkpointing: the plain run again with checkpointing every 2 layers.
-dropout: dropout 0.1 everywhere and checkpointing every layer, trained and resumed as 'plain'.
+dropout:  dropout 0.1 everywhere and checkpointing every layer, trained (parameters written to
+          `--out`.dropout.stage<s>.tp<t>.pt) and resumed as 'plain'; the same run without
+          checkpointing as dropout_no_checkpointing.
+partitions: the trainer's pipeline module (parallel/pipeline.py TranslationPipe) built on this
+          launch's topology for several model shapes; their stage bounds.
 Rank 0 writes everything to `--out` (JSON) for the test to compare with a single-process run.
 """
 from __future__ import annotations
 
 import argparse
-import copy
-import json
+import contextlib
+import io
 import os
-import shutil
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
-from parallel.pipeline import plain_state_dict  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from parallel.engine import setup_distributed  # noqa: E402
+from parallel.pipeline import TranslationPipe  # noqa: E402
+from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
+
+# Shapes whose partitions differ in kind: decoder-heavy, output-heavy, Pre-LN's final norms, wide.
+PARTITION_SHAPES = {
+    "2-9": dict(encoder_layers=2, decoder_layers=9, d_model=32, heads=4, ffn_dim=64, vocab_size=600),
+    "12-1-big-vocab": dict(encoder_layers=12, decoder_layers=1, d_model=16, heads=2, ffn_dim=32, vocab_size=5000),
+    "4-4-preln": dict(encoder_layers=4, decoder_layers=4, d_model=32, heads=4, ffn_dim=128, vocab_size=300,
+                      norm="preln"),
+    "6-6-wide": dict(encoder_layers=6, decoder_layers=6, d_model=64, heads=4, ffn_dim=256, vocab_size=100),
+}
 
 
-def record_steps(trainer: Trainer, steps: int, save_at: int | None) -> dict:
-    out = {"loss": [], "grad_norm": [], "lr": [], "shapes": []}
-    shapes_seen = []
-    original = trainer.stream.next_step
+def partitions() -> dict:
+    """Stage bounds of TranslationPipe for each of PARTITION_SHAPES, one stage per rank."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    def spy(n):
-        batches = original(n)
-        shapes_seen.append([[list(b["src"].shape), list(b["tgt_in"].shape)] for b in batches])
-        return batches
-
-    trainer.stream.next_step = spy
-    while trainer.step < steps:
-        r = trainer.train_step()
-        out["loss"].append(r["loss"])
-        out["grad_norm"].append(r["grad_norm"])
-        out["lr"].append(r["lr"])
-        if save_at is not None and trainer.step == save_at:
-            trainer.save()
-    out["shapes"] = shapes_seen
+    topology = PipeModelDataParallelTopology(num_pp=torch.distributed.get_world_size(), num_mp=1, num_dp=1)
+    out = {}
+    for name, shape in PARTITION_SHAPES.items():
+        with contextlib.redirect_stdout(io.StringIO()):
+            module = TranslationPipe(ModelConfig(**shape), topology=topology, seed=1)
+        out[name] = [int(x) for x in module.parts]
     return out
-
-
-def fresh_run_dir(run_dir: str, data_dir: str, checkpoint_from: str | None = None, tag: str = "") -> None:
-    """Rank 0 makes `run_dir` with a link to the prepared data and, optionally, one checkpoint."""
-    if torch.distributed.get_rank() == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.makedirs(os.path.join(run_dir, "checkpoints"))
-        os.symlink(os.path.abspath(data_dir), os.path.join(run_dir, "data"))
-        if checkpoint_from:
-            shutil.copytree(os.path.join(checkpoint_from, "checkpoints", tag),
-                            os.path.join(run_dir, "checkpoints", tag))
-            with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
-                f.write(tag)
-    torch.distributed.barrier()
-
-
-def train_and_resume(cfg, steps: int, save_at: int, dump_params: str | None = None) -> dict:
-    """Uninterrupted run with a checkpoint at `save_at`, then a fresh run resumed from it."""
-    data_dir = os.path.join(cfg.run_dir, "data")
-    first = Trainer(cfg, max_steps=steps)
-    result = {"uninterrupted": record_steps(first, steps, save_at),
-              "partition": [int(x) for x in first.module.parts]}
-    if dump_params and first.layout.replica == 0:
-        state = {k: v.detach().cpu() for k, v in first.module.state_dict().items() if torch.is_tensor(v)}
-        torch.save(plain_state_dict(cfg.model, state), f"{dump_params}.stage{first.layout.stage}.tp{first.layout.tp_rank}.pt")
-    resumed = copy.deepcopy(cfg)
-    resumed.run_dir = cfg.run_dir + "-resumed"
-    fresh_run_dir(resumed.run_dir, data_dir, cfg.run_dir, f"step{save_at}")
-    second = Trainer(resumed, max_steps=steps)
-    result["resumed_from"] = second.step
-    result["resumed"] = record_steps(second, steps, None)
-    return result
 
 
 def main() -> None:
@@ -86,37 +62,31 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--save-at", type=int, default=2)
-    parser.add_argument("--only-plain", action="store_true", help="skip the other scenarios")
+    parser.add_argument("--scenarios", default="plain,activation_checkpointing")
+    parser.add_argument("--only-plain", action="store_true", help="--scenarios plain")
     parser.add_argument("--local_rank", type=int)
     args = parser.parse_args()
 
+    setup_distributed()
     cfg = load_config(args.config)
-    data_dir = os.path.join(cfg.run_dir, "data")
-    results = {"plain": train_and_resume(cfg, args.steps, args.save_at, dump_params=f"{args.out}.params")}
-    if args.only_plain:
-        if torch.distributed.get_rank() == 0:
-            with open(args.out, "w") as f:
-                json.dump(results, f)
-        return
-
-    # Activation checkpointing (every 2 layers) must not change the numbers.
-    ckpt = copy.deepcopy(cfg)
-    ckpt.run_dir = cfg.run_dir + "-ac2"
-    ckpt.parallel.activation_checkpoint_interval = 2
-    fresh_run_dir(ckpt.run_dir, data_dir)
-    results["activation_checkpointing"] = record_steps(Trainer(ckpt, max_steps=args.steps), args.steps, None)
-
-    # Dropout with checkpointing every layer: the resumed run must replay the same dropout masks.
-    drop = copy.deepcopy(cfg)
-    drop.run_dir = cfg.run_dir + "-dropout"
-    drop.model.dropout = drop.model.attention_dropout = drop.model.activation_dropout = 0.1
-    drop.parallel.activation_checkpoint_interval = 1
-    fresh_run_dir(drop.run_dir, data_dir)
-    results["dropout"] = train_and_resume(drop, args.steps, args.save_at)
-
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    scenarios = ["plain"] if args.only_plain else args.scenarios.split(",")
+    results = {}
+    if "plain" in scenarios:
+        results["plain"] = train_and_resume(cfg, args.steps, args.save_at, dump=f"{args.out}.params")
+    if "activation_checkpointing" in scenarios:  # checkpointing every 2 layers must not change the numbers
+        ckpt = variant(cfg, "ac2")
+        ckpt.parallel.activation_checkpoint_interval = 2
+        results["activation_checkpointing"] = record_steps(Trainer(ckpt, max_steps=args.steps), args.steps)
+    if "dropout" in scenarios:
+        # Checkpointing every layer: the resumed run must replay the same dropout masks, and the
+        # recomputation in backward the masks of the forward.
+        results["dropout"] = train_and_resume(with_dropout(cfg, "dropout"), args.steps, args.save_at,
+                                              dump=f"{args.out}.dropout")
+        no_ckpt = with_dropout(cfg, "dropout-no-ac", checkpoint_interval=0)
+        results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps)
+    if "partitions" in scenarios:
+        results["partitions"] = partitions()
+    write_result(args.out, results)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import sys
@@ -25,19 +24,9 @@ from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.norms import BranchNormResidual  # noqa: E402
 from parallel.engine import setup_distributed  # noqa: E402
+from tests.dist.common import record_steps, write_result  # noqa: E402
 
 BRANCHNORM_T = 3
-
-
-def steps_of(trainer: Trainer, until: int, save_at: int | None = None) -> dict:
-    out = {"loss": [], "grad_norm": []}
-    while trainer.step < until:
-        r = trainer.train_step()
-        out["loss"].append(r["loss"])
-        out["grad_norm"].append(r["grad_norm"])
-        if trainer.step == save_at:
-            trainer.save()
-    return out
 
 
 def branch_steps(trainer: Trainer) -> list[int]:
@@ -73,17 +62,15 @@ def main() -> None:
         torch.distributed.barrier()
         save_at = args.save_at if norm == "branchnorm" else None
         first = Trainer(cfg, max_steps=args.steps)
-        result = {"uninterrupted": steps_of(first, args.steps, save_at), "branch_steps": branch_steps(first)}
+        result = {"uninterrupted": record_steps(first, args.steps, save_at), "branch_steps": branch_steps(first)}
         if save_at:
             second = Trainer(cfg, max_steps=args.steps)  # 'latest' is the step-`save_at` checkpoint
             result["resumed_from"] = second.step
             result["resumed_branch_steps"] = branch_steps(second)
-            result["resumed"] = steps_of(second, args.steps)
+            result["resumed"] = record_steps(second, args.steps)
         results[norm] = result
 
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
+    write_result(args.out, results)
 
 
 if __name__ == "__main__":

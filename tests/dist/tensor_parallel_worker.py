@@ -16,8 +16,6 @@ Checks, written by rank 0 to `--out` (JSON):
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import os
 import sys
 
@@ -30,8 +28,8 @@ from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.transformer import EncoderDecoder, smoothed_loss_sum  # noqa: E402
 from parallel.pipeline import plain_state_dict  # noqa: E402
-from parallel.tensor import SHARD_DIM, vocab_parallel_smoothed_loss_sum  # noqa: E402
-from tests.dist.pipeline_worker import fresh_run_dir, record_steps, train_and_resume  # noqa: E402
+from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum  # noqa: E402
+from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,7 +52,7 @@ def check_vocab_loss(tp) -> dict:
 
 
 def local_slice(name: str, full: torch.Tensor, tp) -> torch.Tensor:
-    dim = next((d for suffix, d in SHARD_DIM.items() if name.endswith(suffix)), None)
+    dim = shard_dim(name)
     return full if dim is None else full.chunk(tp.size, dim=dim)[tp.rank]
 
 
@@ -94,39 +92,23 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = load_config(args.config)
-    data_dir = os.path.join(cfg.run_dir, "data")
     # The gradient check runs a forward/backward outside the engine: give it its own trainer so the
     # engine that trains below starts untouched.
     probe = Trainer(cfg, max_steps=args.steps)
     results = {"vocab_loss": check_vocab_loss(probe.module.tp), "gradients": check_gradients(probe)}
-    results["training"] = record_steps(Trainer(cfg, max_steps=args.steps), args.steps, None)
+    results["training"] = record_steps(Trainer(cfg, max_steps=args.steps), args.steps)
 
     # Sub-LN's inner LayerNorms sit on sharded features: their statistics are all-reduced.
-    subln = copy.deepcopy(cfg)
-    subln.run_dir = cfg.run_dir + "-subln"
+    subln = variant(cfg, "subln")
     subln.model.norm = "subln"
-    fresh_run_dir(subln.run_dir, data_dir)
     results["subln_gradients"] = check_gradients(Trainer(subln, max_steps=args.steps))
 
-    drop = copy.deepcopy(cfg)
-    drop.run_dir = cfg.run_dir + "-dropout"
-    drop.model.dropout = drop.model.attention_dropout = drop.model.activation_dropout = 0.1
-    drop.parallel.activation_checkpoint_interval = 1
-    fresh_run_dir(drop.run_dir, data_dir)
-    results["resume"] = train_and_resume(drop, args.steps, 2)
-
+    results["resume"] = train_and_resume(with_dropout(cfg, "dropout"), args.steps, 2)
     # The same dropout run without activation checkpointing: recomputation under checkpointing must
     # replay the same dropout masks (default and model-parallel RNG), or the gradients would differ.
-    no_ckpt = copy.deepcopy(drop)
-    no_ckpt.run_dir = cfg.run_dir + "-dropout-nockpt"
-    no_ckpt.parallel.activation_checkpoint_interval = 0
-    fresh_run_dir(no_ckpt.run_dir, data_dir)
-    results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps, None)
-
-    if torch.distributed.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(results, f)
-
+    no_ckpt = with_dropout(cfg, "dropout-nockpt", checkpoint_interval=0)
+    results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps)
+    write_result(args.out, results)
 
 if __name__ == "__main__":
     main()

@@ -27,8 +27,7 @@ import torch  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from parallel.engine import setup_distributed  # noqa: E402
-from parallel.pipeline import plain_state_dict  # noqa: E402
-from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
+from tests.dist.common import dump_params, fresh_run_dir, record_steps  # noqa: E402
 
 
 def run(cfg, name: str, steps: int, out: str) -> dict:
@@ -39,9 +38,7 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     trainer = Trainer(cfg, max_steps=steps)
     result = record_steps(trainer, steps, None)
     result["engine"] = type(trainer.engine).__name__
-    if trainer.layout.replica == 0:
-        state = {k: v.detach().cpu() for k, v in trainer.module.state_dict().items() if torch.is_tensor(v)}
-        torch.save(plain_state_dict(cfg.model, state), f"{out}.{name}.stage{trainer.layout.stage}.tp{trainer.layout.tp_rank}.pt")
+    dump_params(trainer, f"{out}.{name}")
     return result
 
 

@@ -26,7 +26,7 @@ from launcher.train import Trainer  # noqa: E402
 from parallel import accelerator  # noqa: E402
 from parallel.engine import setup_distributed  # noqa: E402
 from parallel.pipeline import plain_state_dict  # noqa: E402
-from tests.dist.pipeline_worker import fresh_run_dir, record_steps  # noqa: E402
+from tests.dist.common import fresh_run_dir, record_steps  # noqa: E402
 
 FP16_START_SCALE = 2.0**24
 FP16_STEPS = 20
