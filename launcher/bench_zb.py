@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
             start = time.process_time()
             out = trainer.train_step()
             steps[name].append({"seconds": out["seconds"], "cpu_seconds": time.process_time() - start,
-                                "loss": out["loss"], "wall": dict(wall), "cpu": dict(cpu)})
+                                "loss": out["loss"], "wall": dict(wall), "process_time": dict(cpu)})
     mine = {"rank": rank, "stage": trainers[0].engine.stage_id, "steps": steps}
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
@@ -106,7 +106,7 @@ def summarize(result: dict) -> list[dict]:
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
                   "zb_pending_w": -1 if pending is None else pending}
         replay = replayed_pipeline({"layout": layout, "ranks": [
-            {"stage": stage, "instructions_cpu": [s["cpu"] for s in steps]} for stage, steps in per_rank]})
+            {"stage": stage, "instructions_cpu": [s["process_time"] for s in steps]} for stage, steps in per_rank]})
         seconds = [s["seconds"] for s in per_rank[0][1]]
         rows.append({"schedule": name, "micro_batches": m, "step_s_median": statistics.median(seconds),
                      "step_s": seconds, "stage_bubble": [statistics.fmean(b) for b in bubble],

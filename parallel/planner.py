@@ -40,7 +40,6 @@ import yaml
 
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
-from model.transformer import layer_plan
 from parallel.accelerator import HOST
 from parallel.partition import stage_bounds
 
@@ -204,6 +203,8 @@ def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
 
 @functools.lru_cache(maxsize=4096)
 def _stage_kinds(key: tuple, pp: int) -> list[list[str]]:
+    from model.transformer import layer_plan  # torch: `run.sh plan` starts without it
+
     cfg = ModelConfig(**dict(key))
     kinds = [layer.kind for layer in layer_plan(cfg)]
     bounds = stage_bounds(cfg, pp)
