@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
-from parallel.planner import Layout
+from parallel.planner import Candidate
 from parallel import accelerator
 from parallel.accelerator import HOST
 
@@ -43,7 +43,7 @@ LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "max_tokens": ("data", "max_tokens"),
                "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule"),
-               "partition": ("parallel", "partition_method")}
+               "partition": ("parallel", "partition_method"), "zb_pending_w": ("parallel", "zb_pending_w")}
 
 
 def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
@@ -159,9 +159,9 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
     return [stage_memory(model, plan_layout, s, dev)["peak"] for s in range(layout["pp"])]
 
 
-def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Layout:
-    """The planner's Layout for a benchmark layout whose largest micro-batch had `shape`."""
-    return Layout(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
+def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
+    """The planner's Candidate for a benchmark layout whose largest micro-batch had `shape`."""
+    return Candidate(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                   sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
                   precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
                   zb_max_pending=None if layout.get("zb_pending_w", 0) < 0 else layout.get("zb_pending_w", 0))

@@ -287,7 +287,6 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             os.symlink(os.path.abspath(data_dir), os.path.join(path, "data"))
     torch.distributed.barrier()
     cfg = layout_config(base_config, layout, run_dir, model_overrides)
-    zero_bubble_options(layout)
     prime_process(cfg)
     baseline = reset_peak_memory()
     trainer = Trainer(cfg)
@@ -340,16 +339,6 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
         return None
     return {"layout": layout, "steps": steps, "batches": batches, "memory_batches": memory_batches,
             "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size}
-
-
-def zero_bubble_options(layout: dict) -> None:
-    """`zb_pending_w` (bench only; absent: the engine's default 0): bound on the weight passes a
-    stage keeps waiting (ZeroBubbleEngine.max_pending_w); -1: the paper's order (None)."""
-    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
-        from parallel.zero_bubble import ZeroBubbleEngine
-
-        pending = layout["zb_pending_w"]
-        ZeroBubbleEngine.max_pending_w = None if pending < 0 else pending
 
 
 def live_tensor_memory(trainer: object) -> dict:

@@ -42,7 +42,6 @@ def worker(args: argparse.Namespace) -> None:
     from launcher.bench_worker import instrument, layout_config
     from launcher.train import Trainer
     from parallel.engine import setup_distributed
-    from parallel.zero_bubble import ZeroBubbleEngine
 
     setup_distributed()
     rank = torch.distributed.get_rank()
@@ -59,20 +58,19 @@ def worker(args: argparse.Namespace) -> None:
         torch.distributed.barrier()
         layout = {"pp": args.pp, "dp": 1, "micro_batches": args.micro_batches, "schedule": schedule,
                   "warmup": args.warmup, "steps": args.steps}
+        if schedule == "zb-h1":
+            layout["zb_pending_w"] = -1 if pending is None else pending  # parallel.zb_pending_w
         cfg = layout_config(args.config, layout, run_dir, {})
-        ZeroBubbleEngine.max_pending_w = pending  # read when the engine builds its schedule
         trainer = Trainer(cfg)
         trainers.append(trainer)
     for _ in range(args.warmup):
-        for trainer, (_, _, pending) in zip(trainers, variants):
-            ZeroBubbleEngine.max_pending_w = pending
+        for trainer in trainers:
             trainer.train_step()
     for trainer in trainers:
         clocks.append(instrument(trainer.engine))
     steps = {name: [] for name, _, _ in variants}
     for _ in range(args.steps):
-        for trainer, (name, _, pending), (wall, cpu) in zip(trainers, variants, clocks):
-            ZeroBubbleEngine.max_pending_w = pending
+        for trainer, (name, _, _), (wall, cpu) in zip(trainers, variants, clocks):
             wall.clear(), cpu.clear()
             start = time.process_time()
             out = trainer.train_step()

@@ -53,6 +53,11 @@ class ParallelConfig:
     """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
     the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
     idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
+    zb_pending_w: Annotated[int, Range(ge=-1)] = 0
+    """zb-h1 only: at most this many weight passes (W) a stage keeps waiting. 0: every W right after
+    its own B, so no stage holds more than its 1F1B memory; k > 0: up to k deferred W per stage, each
+    holding one micro-batch's W tensors; -1: the paper's order (stage s keeps s pending), which fills
+    more of the bubble when the stages are balanced. Numbers are identical for every value."""
 
 
 @dataclass(kw_only=True)

@@ -24,7 +24,7 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
 Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
 per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the point-to-point send),
 then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
-ZB-H1 (`Layout.schedule`): the slot splits into F, B (input gradient) and W (weight gradients),
+ZB-H1 (`Candidate.schedule`): the slot splits into F, B (input gradient) and W (weight gradients),
 and the pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors each stage
 holds (`weight_grad_bytes`: stage s > 0 keeps s micro-batches' worth).
 """
@@ -154,7 +154,10 @@ def device(key: str, **overrides) -> Device:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
+class Candidate:
+    """One layout the planner prices (sizes, batch shape, precision, schedule); the running
+    ranks' own layout is parallel.layout.Layout."""
+
     pp: int
     tp: int
     dp: int
@@ -169,8 +172,8 @@ class Layout:
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
     zb_max_pending: int | None = 0
-    """ZB-H1 only: bound on the W a stage keeps waiting, as ZeroBubbleEngine.max_pending_w (0:
-    1F1B's memory on every stage; None: the paper's order, stage s keeps s)."""
+    """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_pending_w (0:
+    1F1B's memory on every stage; None where the config says -1: the paper's order, stage s keeps s)."""
 
     @property
     def world(self) -> int:
@@ -278,7 +281,7 @@ def weight_grad_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int,
     return 0.0
 
 
-def stage_memory(cfg: ModelConfig, layout: Layout, stage: int, dev: Device) -> dict[str, float]:
+def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -> dict[str, float]:
     """Peak bytes of one stage, by component, at whichever moment is larger (see module doc)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
@@ -348,7 +351,7 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbs: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (gbs * 1e9) + 2 * (ranks - 1) * 20e-6
 
 
-def step_time(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> dict[str, float]:
+def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> dict[str, float]:
     """Estimated seconds per optimizer step and its parts (see module doc)."""
     peak = dev.peak_tflops[layout.precision] * 1e12
     e = ELEMENT_BYTES[layout.precision]
@@ -398,7 +401,7 @@ def weight_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: float) ->
     return layer_forward_flops(cfg, kind, s, t) - attention
 
 
-def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: float,
+def _zb_h1_pipeline(cfg: ModelConfig, layout: Candidate, compute: float, tp_comm: float,
                     p2p: float) -> tuple[float, float]:
     """(seconds, bubble fraction) of ZB-H1's pipeline phase: the simulated timeline
     (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
@@ -424,7 +427,7 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Layout, compute: float, tp_comm: f
 
 @dataclass(frozen=True)
 class Plan:
-    layout: Layout
+    layout: Candidate
     memory: list[dict]
     time: dict
     target_tokens_per_step: int
@@ -443,7 +446,7 @@ class Plan:
                                                                   * self.layout.world)
 
 
-def plan(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> Plan:
+def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> Plan:
     from model.flops import training_flops
 
     stages = [stage_memory(cfg, layout, s, dev) for s in range(layout.pp)]
@@ -453,7 +456,7 @@ def plan(cfg: ModelConfig, layout: Layout, dev: Device, mfu: float) -> Plan:
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens: int, seq_len: int,
-                      microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None) -> list[Layout]:
+                      microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None) -> list[Candidate]:
     """Every pp × tp × dp = gpus with tp inside a node dividing heads, FFN and vocabulary, every
     micro-batch size, and checkpointing off/every layer. m follows from the global batch."""
     n_layers = cfg.encoder_layers + cfg.decoder_layers + 2
@@ -469,7 +472,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
                 sequences = max(1, tokens // seq_len)
                 m = max(1, math.ceil(global_tokens / (dp * sequences * seq_len)))
                 for ckpt in (0, 1):
-                    out.append(Layout(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
+                    out.append(Candidate(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
                                       tgt_len=seq_len, checkpoint=ckpt, precision=precision))
     return out
 

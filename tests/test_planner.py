@@ -132,11 +132,11 @@ def test_plan_command_on_the_papers_3_2b_model(capsys, tmp_path):
     best_days = float(text.split("\n| pp")[1].split("|")[-2])
     assert 9 < best_days < 36  # the paper: "up to 18 days" for 5.2 ZFLOPs on 128 V100-32GB
 
-    from parallel.planner import Layout, device, stage_memory
+    from parallel.planner import Candidate, device, stage_memory
 
     model, dev = named_model("deepnet-100-100-1024"), device("v100-32gb")
-    small = Layout(pp=1, tp=1, dp=128, micro_batches=32, sequences=32, src_len=32, tgt_len=32, precision="fp16")
-    large = Layout(pp=1, tp=1, dp=128, micro_batches=4, sequences=256, src_len=32, tgt_len=32, precision="fp16")
+    small = Candidate(pp=1, tp=1, dp=128, micro_batches=32, sequences=32, src_len=32, tgt_len=32, precision="fp16")
+    large = Candidate(pp=1, tp=1, dp=128, micro_batches=4, sequences=256, src_len=32, tgt_len=32, precision="fp16")
     # 3.07B parameters: fp16 weights + grads 11.4 GiB, ZeRO-1 states over 128 ranks 0.3 GiB; what
     # decides is the activations of 200 layers for one micro-batch.
     assert stage_memory(model, small, 0, dev)["peak"] < dev.usable_bytes() < stage_memory(model, large, 0, dev)["peak"]

@@ -209,12 +209,12 @@ def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
 
 
 def test_planner_models_zb_h1_bubble_and_memory():
-    from parallel.planner import Layout, device, stage_kinds, stage_memory, step_time, weight_grad_bytes
+    from parallel.planner import Candidate, device, stage_kinds, stage_memory, step_time, weight_grad_bytes
 
     cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
     dev = device("a100-80gb")
-    base = Layout(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
-    zb = Layout(**{**base.__dict__, "schedule": "zb-h1", "zb_max_pending": None})  # the paper's order
+    base = Candidate(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
+    zb = Candidate(**{**base.__dict__, "schedule": "zb-h1", "zb_max_pending": None})  # the paper's order
     t1, tz = step_time(cfg, base, dev, 0.4), step_time(cfg, zb, dev, 0.4)
     assert t1["bubble_fraction"] == pytest.approx(3 / 11)
     assert tz["bubble_fraction"] < t1["bubble_fraction"] / 2 and tz["total"] < t1["total"]
@@ -226,7 +226,7 @@ def test_planner_models_zb_h1_bubble_and_memory():
         # stage s holds s pending W; the first stage computes W inside its backward
         assert extra == pytest.approx(stage * held)
     # the default bound 0: 1F1B's memory on every stage, a bubble between the two
-    zb0 = Layout(**{**base.__dict__, "schedule": "zb-h1"})
+    zb0 = Candidate(**{**base.__dict__, "schedule": "zb-h1"})
     t0 = step_time(cfg, zb0, dev, 0.4)
     assert tz["bubble_fraction"] < t0["bubble_fraction"] < t1["bubble_fraction"]
     for stage in range(4):
@@ -237,6 +237,8 @@ def test_planner_models_zb_h1_bubble_and_memory():
     ({"schedule": "zb"}, {}, "parallel.schedule='zb': must be one of 1f1b, zb-h1"),
     ({"schedule": "zb-h1", "precision": "bf16"}, {}, "zb-h1 supports precision fp32 only"),
     ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
+    ({"zb_pending_w": 2}, {}, "parallel.zb_pending_w=2 applies to parallel.schedule: zb-h1 only"),
+    ({"schedule": "zb-h1", "zb_pending_w": -2}, {}, "parallel.zb_pending_w"),
 ])
 def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, message):
     import yaml

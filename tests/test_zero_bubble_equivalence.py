@@ -67,6 +67,7 @@ def test_zb_h1_losses_and_clipped_norms_equal_single_process(zb_run, scenario):
         pytest.skip(f"{scenario} is not run in this layout")
     ref = refs["subln" if scenario == "zb_subln" else "deepnorm"]
     got = result[scenario]
+    assert got["max_pending_w"] == (None if scenario == "zb_paper" else 0)  # parallel.zb_pending_w reached the engine
     assert len(got["loss"]) == STEPS
     for step in range(STEPS):
         assert got["loss"][step] == pytest.approx(ref["loss"][step], rel=1e-5), f"step {step + 1} loss"

@@ -38,6 +38,7 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     trainer = Trainer(cfg, max_steps=steps)
     result = record_steps(trainer, steps, None)
     result["engine"] = type(trainer.engine).__name__
+    result["max_pending_w"] = getattr(trainer.engine, "max_pending_w", "1f1b")  # from parallel.zb_pending_w
     dump_params(trainer, f"{out}.{name}")
     return result
 
@@ -63,12 +64,11 @@ def main() -> None:
                  "zb_paper": (cfg, "zb-h1", 0)}
     results = {}
     for name in args.scenarios.split(","):
-        from parallel.zero_bubble import ZeroBubbleEngine
-
-        ZeroBubbleEngine.max_pending_w = None if name == "zb_paper" else 0
         base, schedule, interval = scenarios[name]
         scenario = copy.deepcopy(base)
         scenario.parallel.schedule = schedule
+        if name == "zb_paper":
+            scenario.parallel.zb_pending_w = -1  # the config key the engine reads
         scenario.parallel.activation_checkpoint_interval = interval
         results[name] = run(scenario, name, args.steps, args.out)
     if torch.distributed.get_rank() == 0:
