@@ -105,7 +105,7 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     peak = planner.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
     fwd_bwd = (totals.get("ForwardPass", 0.0) + totals.get("BackwardPass", 0.0)) / steps
     layout = planner.Candidate(pp=1, tp=1, dp=1, micro_batches=MICRO_BATCHES, sequences=SEQUENCES, src_len=SRC_LEN,
-                            tgt_len=TGT_LEN, precision=precision)
+                               tgt_len=TGT_LEN, precision=precision)
     predicted = planner.stage_memory(cfg.model, layout, 0, planner.device(key or "h100-80gb"))["peak"]
     return {
         "shape": shape, "model": list(SHAPES[shape]), "precision": precision,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
+from parallel.config import ParallelConfig
 from parallel.planner import Candidate
 from parallel import accelerator
 from parallel.accelerator import HOST
@@ -162,9 +163,9 @@ def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, in
 def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
     """The planner's Candidate for a benchmark layout whose largest micro-batch had `shape`."""
     return Candidate(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
-                  sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                  precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
-                  zb_max_pending=None if layout.get("zb_pending_w", 0) < 0 else layout.get("zb_pending_w", 0))
+                     sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
+                     precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
+                     zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
 
 
 def measured_bubble(result: dict) -> float:
@@ -357,9 +358,8 @@ def replayed_pipeline(result: dict) -> dict:
                    for k in ("ForwardPass", "BackwardPass", "WeightPass"))
         costs.append({"F": f, "B": b, "W": w, "BW": b + w})
     order = ORDERS[schedule]
-    if schedule == "zb-h1":  # the engine's default bound is 0; -1 is the paper's order
-        pending = layout.get("zb_pending_w", 0)
-        order = functools.partial(zb_h1_order, max_pending=None if pending < 0 else pending)
+    if schedule == "zb-h1":  # parallel.zb_pending_w, default 0; -1 is the paper's order
+        order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
     timeline = simulate(pp, m, costs, order)
     span = max(ops[-1][1] for ops in timeline)
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]

@@ -28,11 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _variants(pending: list[int]) -> list[tuple[str, str, int | None]]:
-    """(name, schedule, max_pending_w) per trained schedule."""
-    out = [("1f1b", "1f1b", None)]
+def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
+    """(name, schedule, parallel.zb_pending_w) per trained schedule."""
+    out = [("1f1b", "1f1b", 0)]
     for p in pending:
-        out.append(("zb-h1-paper" if p < 0 else f"zb-h1-w{p}", "zb-h1", None if p < 0 else p))
+        out.append(("zb-h1-paper" if p < 0 else f"zb-h1-w{p}", "zb-h1", p))
     return out
 
 
@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
         layout = {"pp": args.pp, "dp": 1, "micro_batches": args.micro_batches, "schedule": schedule,
                   "warmup": args.warmup, "steps": args.steps}
         if schedule == "zb-h1":
-            layout["zb_pending_w"] = -1 if pending is None else pending  # parallel.zb_pending_w
+            layout["zb_pending_w"] = pending
         cfg = layout_config(args.config, layout, run_dir, {})
         trainer = Trainer(cfg)
         trainers.append(trainer)
@@ -102,7 +102,7 @@ def summarize(result: dict) -> list[dict]:
                 bubble[stage].append(1.0 - busy / phase)
                 cpu[stage].append(step["cpu_seconds"])
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
-                  "zb_pending_w": -1 if pending is None else pending}
+                  "zb_pending_w": pending}
         replay = replayed_pipeline({"layout": layout, "ranks": [
             {"stage": stage, "instructions_cpu": [s["process_time"] for s in steps]} for stage, steps in per_rank]})
         seconds = [s["seconds"] for s in per_rank[0][1]]

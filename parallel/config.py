@@ -59,6 +59,11 @@ class ParallelConfig:
     holding one micro-batch's W tensors; -1: the paper's order (stage s keeps s pending), which fills
     more of the bubble when the stages are balanced. Numbers are identical for every value."""
 
+    @staticmethod
+    def pending_bound(zb_pending_w: int) -> int | None:
+        """The schedule's bound for a `zb_pending_w` value: None (no bound) for -1."""
+        return None if zb_pending_w < 0 else zb_pending_w
+
 
 @dataclass(kw_only=True)
 class TrainConfig:

@@ -177,7 +177,7 @@ def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: T
     if p.schedule == "zb-h1":  # DeepSpeed's engine subclassed for the zero-bubble schedule
         from parallel.zero_bubble import initialize
         engine = initialize(module, optimizer, scheduler, config)
-        engine.max_pending_w = None if p.zb_pending_w < 0 else p.zb_pending_w
+        engine.max_pending_w = p.pending_bound(p.zb_pending_w)
     else:
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=config)

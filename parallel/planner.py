@@ -473,7 +473,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
                 m = max(1, math.ceil(global_tokens / (dp * sequences * seq_len)))
                 for ckpt in (0, 1):
                     out.append(Candidate(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
-                                      tgt_len=seq_len, checkpoint=ckpt, precision=precision))
+                                         tgt_len=seq_len, checkpoint=ckpt, precision=precision))
     return out
 
 

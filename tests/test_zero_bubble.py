@@ -10,7 +10,8 @@ from model.config import ModelConfig
 from model.layers import source_mask
 from model.transformer import build_layer
 from parallel.zb_timeline import bubble_fraction, simulate, zb_h1_order
-from parallel.zero_bubble import WeightGradStore, WeightPass, split_weight_gradients, stage_instructions
+from parallel.weight_split import WeightGradStore, split_weight_gradients
+from parallel.zero_bubble import WeightPass, stage_instructions
 
 
 def _cfg(norm: str) -> ModelConfig:
