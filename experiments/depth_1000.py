@@ -11,7 +11,7 @@ Every run is the real trainer (`launcher/train.py`) under the real deepspeed lau
          the decoder output's change on the middle dev batch; model/instruments.py), per-layer
          gradient norms, LayerNorm input sizes. Same data, probe and definition as update-norms,
          so its 6L–100L curves and these 200L/500L ones are one figure.
-  train  TRAIN_STEPS steps of a training recipe (lr 1e-3, linear warm-up over 25 steps then
+  train  TRAIN_STEPS steps of a training recipe (lr 3e-4, linear warm-up over 25 steps then
          inverse square root, 2 micro-batches of ≤ 256 tokens per step, clipping at 1.0), the
          dev loss every VALID_EVERY steps against the unigram baseline (a model that predicts
          the training targets' token frequencies, i.e. stuck).
@@ -28,7 +28,6 @@ import csv
 import json
 import os
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -43,7 +42,13 @@ FIG4_STEPS = 20
 FIG4_LR, FIG4_WARMUP = 5e-4, 4000
 TRAIN_STEPS = 200
 TRAIN_DEPTHS = (500,)
-TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 1e-3, 25, 2, 1.0
+TRAIN_LR, TRAIN_WARMUP, TRAIN_MICRO_BATCHES, TRAIN_CLIP = 3e-4, 25, 2, 1.0
+# Why 3e-4 (measured with the plain model, single process, this recipe otherwise, 200 steps; dev
+# loss at step 200 against the unigram 6.770): 100L-100L 6.58 at lr 1e-3 but 6.76 (stuck at the
+# unigram level) at 3e-3; 200L-200L 6.77 (stuck) at 1e-3 but 6.67 and falling at 4e-4. Under Adam
+# DeepNet's early update grows with depth (‖ΔF‖ ≈ N^0.66, the fig4 runs), so the largest lr that
+# escapes the unigram plateau falls with depth: 1e-3 at 100L corresponds to ≈ 3.5e-4 at 500L, and
+# the first recipe (1e-3 at 500L, ≈ 3e-3 at 100L) ended at the unigram level after 200 steps.
 VALID_EVERY = 50
 SAVE_EVERY = 25
 # The budget (about 90 minutes on 2 cores): measured here (fig4 runs, start-up included), a
@@ -52,6 +57,7 @@ SAVE_EVERY = 25
 # recipe to reach the unigram baseline and ~200 to fall 0.5 nats below it, so the train runs take
 # 200 steps, at 500L-500L only by default (--train-depths 200,500 adds 200L-200L: ~35 min more).
 RANKS = 2
+JOBS = 2
 DATA = {"data": {}, "data-small-dev": {"dev_size": 10}}
 """Data of the fig4 runs: update-norms' (the bundled default, 256-token batches), so that the probe
 batch and the training batches are the same. Of the train runs: the same corpus with 10 dev pairs
@@ -157,56 +163,96 @@ def finished(run_dir: str, steps: int) -> str | None:
 
 
 # ---- running ----------------------------------------------------------------------------------
-def launch(run: Run, work: str, bar) -> dict:
-    """Launch (or resume) one run with the deepspeed launcher; advance `bar` as it logs steps."""
-    from launcher.launch import ROOT, deepspeed_command, launch_env
+CPU_WRAPPER = ("import json, resource, subprocess, sys\n"
+               "code = subprocess.call(sys.argv[2:])\n"
+               "r = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+               "json.dump({'cpu_seconds': r.ru_utime + r.ru_stime}, open(sys.argv[1], 'w'))\n"
+               "sys.exit(code)")
+"""Runs a launch and writes its CPU seconds (the launcher and every rank it waited for): exact per
+run even while several runs share the machine, which the parent's RUSAGE_CHILDREN is not."""
 
-    cfg = run.config(work)
-    run_dir = cfg["run_dir"]
-    os.makedirs(run_dir, exist_ok=True)
-    link = os.path.join(run_dir, "data")
-    if not os.path.exists(link):
-        os.symlink(os.path.abspath(os.path.join(work, run.data)), link)
-    cfg_path = os.path.join(run_dir, "experiment.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg, f)
-    env = launch_env(RANKS)
-    env["OMP_NUM_THREADS"] = "1"  # 2 ranks on 2 cores; tiny matmuls gain nothing from a second thread
-    per_step = run.cost / run.steps
-    done_before = max(read_run(run_dir), default=0)
-    bar.update(done_before * per_step)
-    seen, load0, t0 = done_before, os.getloadavg()[0], time.time()
-    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    with open(os.path.join(run_dir, "train.log"), "a") as log:
+
+class Launch:
+    """One launch (or resumption) of a run under the deepspeed launcher, in the background."""
+
+    def __init__(self, run: Run, work: str, bar):
+        from launcher.launch import ROOT, deepspeed_command, launch_env
+
+        cfg = run.config(work)
+        self.run, self.bar, self.run_dir = run, bar, cfg["run_dir"]
+        os.makedirs(self.run_dir, exist_ok=True)
+        link = os.path.join(self.run_dir, "data")
+        if not os.path.exists(link):
+            os.symlink(os.path.abspath(os.path.join(work, run.data)), link)
+        cfg_path = os.path.join(self.run_dir, "experiment.yaml")
+        with open(cfg_path, "w") as f:
+            yaml.safe_dump(cfg, f)
+        env = launch_env(RANKS)
+        env["OMP_NUM_THREADS"] = "1"  # one thread per rank; tiny matmuls gain nothing from more
+        self.per_step = run.cost / run.steps
+        self.done_before = max(read_run(self.run_dir), default=0)
+        bar.update(self.done_before * self.per_step)
+        self.seen, self.load0, self.t0 = self.done_before, os.getloadavg()[0], time.time()
+        self.cpu_file = os.path.join(self.run_dir, ".launch-cpu.json")
+        if os.path.exists(self.cpu_file):
+            os.remove(self.cpu_file)
+        self.log = open(os.path.join(self.run_dir, "train.log"), "a")
         script = "experiments/fig4_worker.py" if run.kind == "fig4" else "launcher/train.py"
-        proc = subprocess.Popen(deepspeed_command(RANKS, script, ["--config", cfg_path]),
-                                env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            time.sleep(2)
-            now = max((s for s, v in read_run(run_dir).items() if "train_loss" in v), default=seen)
-            if now > seen:
-                bar.update((now - seen) * per_step)
-                bar.set_postfix_str(f"{run.name} step {now}/{run.steps}")
-                seen = now
-    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    bar.update(max(0, run.steps - seen) * per_step if proc.returncode == 0 else 0)
-    launch_info = {"wall_seconds": time.time() - t0, "cpu_seconds": (cpu1.ru_utime + cpu1.ru_stime)
-                   - (cpu0.ru_utime + cpu0.ru_stime), "load_start": load0, "load_end": os.getloadavg()[0],
-                   "from_step": done_before, "returncode": proc.returncode}
-    launches = os.path.join(run_dir, "launches.json")
-    history = json.load(open(launches)) if os.path.exists(launches) else []
-    with open(launches, "w") as f:
-        json.dump(history + [launch_info], f, indent=2)
-    if proc.returncode != 0:
-        with open(os.path.join(run_dir, "train.log")) as f:
-            text = f.read()[-20000:]
-        if "FloatingPointError" in text:  # the trainer stops on a non-finite loss
-            with open(os.path.join(run_dir, "diverged.json"), "w") as f:
-                json.dump({"after_step": max(read_run(run_dir), default=0)}, f)
-        else:
-            raise SystemExit(f"depth-1000: {run.name} failed (exit {proc.returncode}); see "
-                             f"{os.path.join(run_dir, 'train.log')}; run the same command to resume")
-    return launch_info
+        command = deepspeed_command(RANKS, script, ["--config", cfg_path])
+        self.proc = subprocess.Popen([sys.executable, "-c", CPU_WRAPPER, self.cpu_file, *command],
+                                     env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def poll(self) -> bool:
+        """Advance the bar by the steps logged since the last poll; True while the run is going."""
+        running = self.proc.poll() is None
+        now = max((s for s, v in read_run(self.run_dir).items() if "train_loss" in v), default=self.seen)
+        if now > self.seen:
+            self.bar.update((now - self.seen) * self.per_step)
+            self.bar.set_postfix_str(f"{self.run.name} step {now}/{self.run.steps}")
+            self.seen = now
+        return running
+
+    def finish(self) -> dict:
+        """Record the launch in the run's launches.json; mark a non-finite loss as diverged."""
+        self.log.close()
+        code = self.proc.returncode
+        self.bar.update(max(0, self.run.steps - self.seen) * self.per_step if code == 0 else 0)
+        cpu = json.load(open(self.cpu_file))["cpu_seconds"] if os.path.exists(self.cpu_file) else float("nan")
+        info = {"wall_seconds": time.time() - self.t0, "cpu_seconds": cpu, "load_start": self.load0,
+                "load_end": os.getloadavg()[0], "from_step": self.done_before, "returncode": code}
+        launches = os.path.join(self.run_dir, "launches.json")
+        history = json.load(open(launches)) if os.path.exists(launches) else []
+        with open(launches, "w") as f:
+            json.dump(history + [info], f, indent=2)
+        if code != 0:
+            with open(os.path.join(self.run_dir, "train.log")) as f:
+                text = f.read()[-20000:]
+            if "FloatingPointError" in text:  # the trainer stops on a non-finite loss
+                with open(os.path.join(self.run_dir, "diverged.json"), "w") as f:
+                    json.dump({"after_step": max(read_run(self.run_dir), default=0)}, f)
+            else:
+                info["failed"] = True
+        return info
+
+
+def run_all(todo: list[Run], work: str, bar, jobs: int) -> list[str]:
+    """Launch `todo` in order, at most `jobs` at a time; the names of runs that failed (after one
+    fails, the running ones finish and no new one starts)."""
+    pending, active, failed = list(todo), [], []
+    while pending or active:
+        while pending and len(active) < jobs and not failed:
+            bar.set_postfix_str(f"{pending[0].name} starting")
+            active.append(Launch(pending.pop(0), work, bar))
+        time.sleep(2)
+        for launch in [x for x in active if not x.poll()]:
+            active.remove(launch)
+            info = launch.finish()
+            status = finished(launch.run_dir, launch.run.steps) or ("failed" if info.get("failed") else "stopped")
+            bar.write(f"  {launch.run.name}: {status} in {info['wall_seconds'] / 60:.1f} min (CPU "
+                      f"{info['cpu_seconds'] / 60:.1f} min, load {info['load_start']:.1f} → {info['load_end']:.1f})")
+            if info.get("failed"):
+                failed.append(launch.run.name)
+    return failed
 
 
 def unigram_baseline(data_dir: str, vocab: int) -> float:
@@ -248,10 +294,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-depths", help="comma-separated depths of the train runs, default "
                         + ",".join(map(str, TRAIN_DEPTHS)))
     parser.add_argument("--train-steps", type=int, help=f"steps of the train runs (default {TRAIN_STEPS})")
+    parser.add_argument("--jobs", type=int, default=JOBS, help="runs trained at once, each a 2-rank "
+                        f"pipeline (default {JOBS}: a 2-stage pipeline of 2 micro-batches leaves a third of "
+                        "its rank-slots idle, which a second run fills)")
     parser.add_argument("--only", choices=("fig4", "train"), help="run only one kind of run")
     parser.add_argument("--replot", action="store_true",
                         help="write the outputs from what --work holds now (finished and partial runs), no training")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give at least 1 (runs trained at once)")
     args.work = args.work or f"runs/experiments/depth-1000{'-quick' if args.quick else ''}"
     args.out = args.out or (os.path.join(args.work, "out") if args.quick else "docs/depth-1000")
     depths = tuple(int(x) for x in args.depths.split(",")) if args.depths else None
@@ -277,12 +328,7 @@ def main(argv: list[str] | None = None) -> int:
           f"unigram dev baseline {baseline:.3f}", flush=True)
     with tqdm(total=sum(r.cost for r in todo), unit="layer-step", unit_scale=True, dynamic_ncols=True,
               bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}] {postfix}") as bar:
-        for run in todo:
-            bar.set_postfix_str(f"{run.name} starting")
-            info = launch(run, args.work, bar)
-            tqdm.write(f"  {run.name}: {finished(os.path.join(args.work, run.name), run.steps) or 'stopped'} "
-                       f"in {info['wall_seconds'] / 60:.1f} min (CPU {info['cpu_seconds'] / 60:.1f} min, "
-                       f"load {info['load_start']:.1f} → {info['load_end']:.1f})")
+        failed = run_all(todo, args.work, bar, args.jobs)
     session = {"wall_seconds": time.time() - t0, "load_start": load0, "load_end": os.getloadavg()[0],
                "runs_launched": [r.name for r in todo], "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)),
                "command": command}
@@ -291,6 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(sessions, f, indent=2)
     paths = write_outputs(collect(runs, args.work), args.out, command, baseline, sessions)
     print(f"depth-1000: {session['wall_seconds'] / 60:.1f} min; wrote " + ", ".join(paths), flush=True)
+    if failed:
+        raise SystemExit(f"depth-1000: {', '.join(failed)} failed; see train.log in "
+                         + ", ".join(os.path.join(args.work, name) for name in failed)
+                         + "; run the same command to resume")
     return 0
 
 

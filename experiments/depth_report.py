@@ -154,15 +154,19 @@ def write_outputs(results: list[dict], out: str, command: str, baseline: float, 
                         f"{wall:.2f}", f"{cpu:.2f}"])
     plot(results, baseline, paths["depth1000.png"])
     launches = [x for r in results for x in r["launches"]]
-    total_wall = sum(x["wall_seconds"] for x in launches) / 60
+    # Runs may train side by side (--jobs): the commands' own wall time is the total, not the
+    # sum over runs (a run's wall time in the tables overlaps its neighbour's).
+    total_wall = (sum(s["wall_seconds"] for s in sessions) if sessions else
+                  sum(x["wall_seconds"] for x in launches)) / 60
     total_cpu = sum(x["cpu_seconds"] for x in launches) / 60
     loads = [x[k] for x in launches for k in ("load_start", "load_end")]
     unfinished = [r["run"].name for r in results if r["status"] == "incomplete"]
     md = ["# depth-1000: results", "",
-          f"Written by `{command}` from {len(launches)} trainer launch(es): {total_wall:.1f} min of wall-clock time "
-          f"and {total_cpu:.1f} min of CPU time (all ranks) in all"
+          f"Written by `{command}` from {len(launches)} trainer launch(es) in {len(sessions) or 'unrecorded'} "
+          f"command(s): {total_wall:.1f} min of wall-clock time and {total_cpu:.1f} min of CPU time (all ranks) in all"
           + (f", at load averages {min(loads):.1f}–{max(loads):.1f}" if loads else "")
-          + " (per run: runs.csv; per launch: each run directory's launches.json). "
+          + " (per run: runs.csv, where runs trained side by side overlap in wall time; per launch: each run "
+          "directory's launches.json). "
           + (f"**Incomplete runs: {', '.join(unfinished)}** (rows so far are shown). " if unfinished else "")
           + "See docs/depth-1000.md for the discussion.", "",
           "![depth-1000](depth1000.png)", ""]
