@@ -128,6 +128,13 @@ def tables(results: list[dict], baseline: float) -> list[str]:
         lines.append(f"| {run.name} | {r['status']} | {max((s for s, v in rows.items() if 'train_loss' in v), default=0)}"
                      f"/{run.steps} | {_fmt(last20)} | {dev} | {_fmt(below)} | {_fmt(max(ln) if ln else None)} | "
                      f"{wall:.1f} | {cpu:.1f} |")
+    at = sorted({s for r in train for s, v in r["rows"].items() if "valid_loss" in v})
+    if at:
+        lines += ["", f"Dev loss at each validation (unigram baseline {baseline:.3f}):", "",
+                  "| run | " + " | ".join(f"step {s}" for s in at) + " |", "|---|" + "---|" * len(at)]
+        for r in train:
+            lines.append(f"| {r['run'].name} | "
+                         + " | ".join(_fmt(r["rows"].get(s, {}).get("valid_loss"), 4) for s in at) + " |")
     return lines
 
 

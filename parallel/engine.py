@@ -5,6 +5,7 @@ import contextlib
 import io
 import logging
 import os
+import random
 import socket
 import subprocess
 
@@ -16,7 +17,36 @@ from parallel.config import ParallelConfig, TrainConfig
 from parallel.layout import Layout
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and bind(0) (Linux's default if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A TCP port free now on this host, chosen below the ephemeral range where there is room.
+
+    A port from bind(0) is an ephemeral one: between this check and the rendezvous binding it,
+    another process's outgoing connection may take it (two trainers started together failed with
+    EADDRINUSE on the master port: the other one's gloo connections had it). Ports below the
+    ephemeral range are taken only by explicit binds. The draw uses the OS's randomness, not the
+    training RNG streams.
+    """
+    low, _ = ephemeral_port_range()
+    draw = random.SystemRandom()
+    if low - 4096 > 1024:
+        for _ in range(64):
+            port = draw.randrange(max(1024, low - 12000), low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

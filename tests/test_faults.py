@@ -288,3 +288,20 @@ def test_manifest_names_every_kind_of_damage(tmp_path):
         "b.pt has 10 bytes, the manifest says 300 (truncated)",
         "c.pt is missing"]
     assert manifest._deal({"x": 10, "y": 9, "z": 2}, 2) == [["x"], ["y", "z"]]
+
+
+def test_rendezvous_port_is_outside_the_ephemeral_range_and_free():
+    """Two trainers started together: a master port from bind(0) is an ephemeral port, which the
+    other job's outgoing gloo connections can take before the rendezvous binds it (EADDRINUSE).
+    free_port draws below the kernel's ephemeral range and checks the port binds."""
+    import socket
+
+    from parallel.engine import ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    assert 1024 < low <= high
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    assert len(set(ports)) > 1  # drawn, not a fixed port every launch would share
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))
