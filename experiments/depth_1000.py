@@ -55,8 +55,8 @@ SAVE_EVERY = 25
 # 256-token step costs 4–5 CPU-seconds (fwd + bwd, both stages) at 200L-200L and 12–15 at
 # 500L-500L; two runs side by side (JOBS) fill the idle third of a 2-stage pipeline's slots. The
 # train runs take 300 steps at both depths (at lr 3e-4 DeepNet's 500L-500L dev loss is still
-# 0.3 nats above the unigram level at step 150): the 500L-500L pair ~66 min, the 200L-200L pair
-# ~25, the four fig4 runs ~10 (this machine, nothing else running).
+# 0.3 nats above the unigram level at step 150): measured here, the 500L-500L pair 66 min, the
+# 200L-200L pair 24, the four fig4 runs 6 (two pairs of 1.8 and 4.1 min), ≈ 95 min in all.
 RANKS = 2
 JOBS = 2
 DATA = {"data": {}, "data-small-dev": {"dev_size": 10}}
