@@ -44,7 +44,8 @@ LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "max_tokens": ("data", "max_tokens"),
                "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule"),
-               "partition": ("parallel", "partition_method"), "zb_pending_w": ("parallel", "zb_pending_w")}
+               "partition": ("parallel", "partition_method"), "zb_pending_w": ("parallel", "zb_pending_w"),
+               "zero": ("parallel", "zero_stage")}
 
 
 def matmul_peak(dtype, threads: int, seconds: float = 0.4, trials: int = 5) -> float:
@@ -329,7 +330,7 @@ def schedule_stats(result: dict) -> dict:
                 busy[s].append(work)
         if rank.get("live_memory"):
             live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
-    return {"schedule": result["layout"].get("schedule", "1f1b"),
+    return {"schedule": result["layout"].get("schedule", "1f1b"), "zero_stage": result["layout"].get("zero", 1),
             "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
             "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
             "stage_live_peak_mb": live, **replayed_pipeline(result)}

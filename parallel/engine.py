@@ -188,9 +188,8 @@ def adamw(params, t) -> torch.optim.Optimizer:
 def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: TrainConfig, run_dir: str,
                  load_universal: bool = False):
     """Build this rank's pipeline module on `layout`, the optimizer, the LR schedule and
-    DeepSpeed's engine."""
-    import deepspeed
-
+    DeepSpeed's engine (parallel/ds_engine.py's TrainerEngine, or its zero-bubble subclass)."""
+    from parallel.ds_engine import TrainerEngine, initialize
     from parallel.pipeline import TranslationPipe
     from parallel.tensor import TensorParallel
 
@@ -204,11 +203,11 @@ def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: T
     optimizer = adamw(module.parameters(), t)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
     config = deepspeed_config(p, t, run_dir, load_universal)
-    if p.schedule == "zb-h1":  # DeepSpeed's engine subclassed for the zero-bubble schedule
-        from parallel.zero_bubble import initialize
-        engine = initialize(module, optimizer, scheduler, config)
+    engine_class = TrainerEngine
+    if p.schedule == "zb-h1":
+        from parallel.zero_bubble import ZeroBubbleEngine
+        engine_class = ZeroBubbleEngine
+    engine = initialize(module, optimizer, scheduler, config, engine_class)
+    if p.schedule == "zb-h1":
         engine.max_pending_w = p.pending_bound(p.zb_pending_w)
-    else:
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=config)
     return engine, module

@@ -29,6 +29,8 @@ from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from parallel.ds_engine import TrainerEngine
+
 from parallel.weight_split import WeightGradStore, split_weight_gradients
 from parallel.zb_timeline import simulate, zb_h1_order
 
@@ -97,8 +99,8 @@ class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
 # ---------------------------------------------------------------- the engine
 
 
-class ZeroBubbleEngine(PipelineEngine):
-    """PipelineEngine running ZeroBubbleH1Schedule with B/W-split backward passes.
+class ZeroBubbleEngine(TrainerEngine):
+    """The trainer's PipelineEngine (parallel/ds_engine.py) running ZeroBubbleH1Schedule with B/W-split backward passes.
 
     Besides WeightPass, two pieces of DeepSpeed's per-engine state become per micro-batch, since
     ZB-H1 may receive other messages between a RecvGrad and its BackwardPass, or run another
@@ -207,24 +209,3 @@ class ZeroBubbleEngine(PipelineEngine):
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         WeightPass: _exec_weight_pass,
     }
-
-
-def initialize(module, optimizer, lr_scheduler, config: dict) -> ZeroBubbleEngine:
-    """`deepspeed.initialize` for a PipelineModule, building a ZeroBubbleEngine (deepspeed 0.19.8
-    hard-codes PipelineEngine there; these are the steps of its pipeline branch)."""
-    import deepspeed
-    from deepspeed import comm as dist
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.tensor_parallel.init_utils import merge_tp_model_init_into_config
-
-    deepspeed.zero.partition_parameters.shutdown_init_context()
-    merge_tp_model_init_into_config(config, None, None, dist)
-    mpu = module.mpu()
-    config_class = DeepSpeedConfig(config, mpu)
-    deepspeed.set_optimizer_flags(config_class, module)
-    engine = ZeroBubbleEngine(args=None, model=module, optimizer=optimizer, model_parameters=None,
-                              training_data=None, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=None,
-                              collate_fn=None, config=config, config_class=config_class)
-    deepspeed.zero.partition_parameters.restore_init_context()
-    engine._configure_python_gc()
-    return engine

@@ -1,0 +1,48 @@
+"""The trainer's engine (parallel/ds_engine.py) without ZeRO gives the single process's numbers.
+
+TrainerEngine replaces DeepSpeed's gradient all-reduce (at one replica), global-norm clipping and
+zero_grad on the fp32 path without ZeRO (parallel.zero_stage: 0), the fast choice at pp = 1 and
+dp = 1. Two launches on the real deepspeed launcher, pp = 1 with ZeRO stage 0, every step clipped:
+one rank (the overrides' own path) and two replicas (DeepSpeed's all-reduce, the overrides' norm
+averaged over the replicas). Losses, clipped norms and parameters equal the single-process
+reference; a run resumed from a checkpoint reproduces the uninterrupted losses.
+"""
+import pytest
+
+from launcher.config import load_config
+from tests.conftest import run_worker, write_run_config
+from tests.reference import assert_parameters_equal, assert_steps_equal, load_params, reference_run
+
+STEPS, SAVE_AT, CLIP = 4, 2, 0.05
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
+def zero0_run(request, tiny_data, tmp_path_factory):
+    dp = request.param
+    work = tmp_path_factory.mktemp(f"zero0-dp{dp}")
+    config = write_run_config(str(work / "run.yaml"), str(work / "run"), tiny_data,
+                              parallel={"pipeline_stages": 1, "data_parallel": dp, "zero_stage": 0},
+                              train={"micro_batches": 4 // dp, "clip_norm": CLIP, "lr": 0.001,
+                                     "save_interval": 1000})
+    out = str(work / "result.json")
+    result = run_worker(dp, "tests/dist/pipeline_worker.py", out,
+                        ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--only-plain"])
+    return result["plain"], load_params(f"{out}.params"), reference_run(load_config(config), STEPS)
+
+
+def test_zero0_losses_and_clipped_norms_equal_single_process(zero0_run):
+    got, _, ref = zero0_run
+    # the norm is reported without ZeRO too (DeepSpeed leaves it unset there)
+    assert_steps_equal(got["uninterrupted"], ref, clipped_at=CLIP)
+    assert got["uninterrupted"]["loss"][-1] < got["uninterrupted"]["loss"][0]
+
+
+def test_zero0_parameters_equal_single_process(zero0_run):
+    _, params, ref = zero0_run
+    assert_parameters_equal(params, ref, atol=1e-6)
+
+
+def test_zero0_resumed_run_reproduces_uninterrupted_losses(zero0_run):
+    got = zero0_run[0]
+    assert got["resumed_from"] == SAVE_AT
+    assert got["resumed"]["loss"] == pytest.approx(got["uninterrupted"]["loss"][SAVE_AT:], rel=1e-6)
