@@ -11,7 +11,7 @@ DeepSpeed engine is never freed (launcher/bench_worker.py says why).
 Measured per shape, after `--warmup` steps, over `--steps` steps timed with the device
 synchronised: target tokens/s; achieved model TFLOP/s (model/flops.py, no recomputation; the
 whole step, optimizer included); MFU against the datasheet dense bf16 peak of the GPU
-(parallel/planner.py DEVICES); the kernel efficiency the planner assumes (model FLOPs over the
+(parallel/devices.py DEVICES); the kernel efficiency the planner assumes (model FLOPs over the
 time of the forward and backward instructions alone, as parallel/planner.py step_time models
 compute); the allocator's peak memory next to the planner's prediction for the same layout.
 """
@@ -71,7 +71,7 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     from launcher.bench_worker import instrument
     from launcher.config import RunConfig
     from model.flops import training_flops
-    from parallel import accelerator, planner
+    from parallel import accelerator, devices, planner
     from parallel.engine import build_engine, setup_distributed
     from parallel.layout import Layout
 
@@ -101,12 +101,12 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     seconds = sorted(measured)[len(measured) // 2]
     tokens = SEQUENCES * TGT_LEN * MICRO_BATCHES
     flops = SEQUENCES * MICRO_BATCHES * training_flops(cfg.model, SRC_LEN, TGT_LEN)
-    key = planner.device_key(accelerator.gpu_name())
-    peak = planner.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
+    key = devices.device_key(accelerator.gpu_name())
+    peak = devices.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
     fwd_bwd = (totals.get("ForwardPass", 0.0) + totals.get("BackwardPass", 0.0)) / steps
     layout = planner.Candidate(pp=1, tp=1, dp=1, micro_batches=MICRO_BATCHES, sequences=SEQUENCES, src_len=SRC_LEN,
                                tgt_len=TGT_LEN, precision=precision)
-    predicted = planner.stage_memory(cfg.model, layout, 0, planner.device(key or "h100-80gb"))["peak"]
+    predicted = planner.stage_memory(cfg.model, layout, 0, devices.device(key or "h100-80gb"))["peak"]
     return {
         "shape": shape, "model": list(SHAPES[shape]), "precision": precision,
         "parameters": sum(p.numel() for p in module.parameters()),

@@ -91,7 +91,7 @@ class Environment:
 
         cores = os.cpu_count() or 1
         if accelerator.gpu_available():
-            from parallel.planner import DEVICES
+            from parallel.devices import DEVICES
 
             name = accelerator.gpu_name()
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
@@ -150,7 +150,8 @@ def largest_microbatch(result: dict) -> tuple[int, int, int]:
 
 def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment) -> list[float] | None:
     """The planner's peak bytes per stage for this layout and micro-batch (CPU fp32 only)."""
-    from parallel.planner import cpu_device, stage_memory
+    from parallel.devices import cpu_device
+    from parallel.planner import stage_memory
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
@@ -195,7 +196,8 @@ ranking layouts (tests/test_planner.py), the absolute value depends on this gues
 
 def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment,
                    threads_per_rank: int) -> float | None:
-    from parallel.planner import cpu_device, step_time
+    from parallel.devices import cpu_device
+    from parallel.planner import step_time
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None

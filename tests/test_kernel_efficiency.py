@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from parallel.planner import KERNEL_EFFICIENCY, kernel_efficiency
+from parallel.devices import KERNEL_EFFICIENCY, kernel_efficiency
 from tests.conftest import ROOT
 
 

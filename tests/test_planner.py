@@ -132,7 +132,8 @@ def test_plan_command_on_the_papers_3_2b_model(capsys, tmp_path):
     best_days = float(text.split("\n| pp")[1].split("|")[-2])
     assert 9 < best_days < 36  # the paper: "up to 18 days" for 5.2 ZFLOPs on 128 V100-32GB
 
-    from parallel.planner import Candidate, device, stage_memory
+    from parallel.devices import device
+    from parallel.planner import Candidate, stage_memory
 
     model, dev = named_model("deepnet-100-100-1024"), device("v100-32gb")
     small = Candidate(pp=1, tp=1, dp=128, micro_batches=32, sequences=32, src_len=32, tgt_len=32, precision="fp16")

@@ -210,7 +210,8 @@ def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
 
 
 def test_planner_models_zb_h1_bubble_and_memory():
-    from parallel.planner import Candidate, device, stage_kinds, stage_memory, step_time, weight_grad_bytes
+    from parallel.devices import device
+    from parallel.planner import Candidate, stage_kinds, stage_memory, step_time, weight_grad_bytes
 
     cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
     dev = device("a100-80gb")

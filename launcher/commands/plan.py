@@ -6,13 +6,14 @@ import os
 
 from launcher.config import ConfigError
 from model.config import ModelConfig
-from parallel.planner import Device
+from parallel.devices import Device
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from parallel.planner import DEVICES, named_shapes
+    from parallel.devices import DEVICES
+    from parallel.planner import named_shapes
 
     parser.add_argument("model", help=f"a YAML run config, or the name of one in configs/: {', '.join(named_shapes())}")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
     parser.add_argument("--mfu", type=float,
                         help="fraction of peak the kernels reach, before bubble and communication (default: "
-                             "measured per GPU type and model width, parallel/planner.py KERNEL_EFFICIENCY)")
+                             "measured per GPU type and model width, parallel/devices.py KERNEL_EFFICIENCY)")
     parser.add_argument("--global-batch-tokens", type=int, default=2**20,
                         help="target tokens per optimizer step (default 1,048,576)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
@@ -122,7 +123,8 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallel.planner import DEFAULT_PRECISION, device, search
+    from parallel.devices import DEFAULT_PRECISION, device
+    from parallel.planner import search
 
     if args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu must be in (0, 1]")
     model = load_model(args.model)
-    from parallel.planner import kernel_efficiency
+    from parallel.devices import kernel_efficiency
 
     args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)
     overrides = {}
