@@ -167,7 +167,8 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
     return Candidate(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                      sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
                      precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
-                     zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
+                     zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)),
+                     zero=layout.get("zero", 1))
 
 
 def measured_bubble(result: dict) -> float:

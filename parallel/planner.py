@@ -86,6 +86,8 @@ class Candidate:
     zb_max_pending: int | None = 0
     """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_pending_w (0:
     1F1B's memory on every stage; None where the config says -1: the paper's order, stage s keeps s)."""
+    zero: int = 1
+    """parallel.zero_stage: 1 (ZeRO-1) or 0 (the client optimizer on the weights)."""
 
     @property
     def world(self) -> int:
@@ -198,6 +200,15 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
+    if layout.zero == 0 and layout.precision != "bf16":  # (BF16_Optimizer shards by dp itself)
+        # No flat fp32 copy: AdamW's m and v sit beside the weights, unsharded, and the fused
+        # AdamW makes no temporaries; DeepSpeed's all-reduce flattens the gradients into buckets
+        # with more than one replica (parallel/ds_engine.py skips it with one).
+        # fp16 (FP16_Optimizer) keeps an fp32 master copy too; by its code, not measured.
+        unsharded = 8 if layout.precision == "fp32" else 12
+        kept_dp, step, step_dp = 0, grads * (layout.dp > 1), 0
+    else:
+        unsharded = 0
     if layout.precision in ("fp16", "bf16") and dev.kind == HOST:
         raise ValueError("the planner models fp16/bf16 for GPUs only")
     e = ELEMENT_BYTES[layout.precision]
@@ -240,7 +251,7 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     kept_output = b * t * cfg.vocab_size / layout.tp * e if stage == layout.pp - 1 else h_bytes
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
-    state = params * (kept + kept_dp / layout.dp)
+    state = params * (kept + unsharded + kept_dp / layout.dp)
     if layout.micro_batches > in_flight:
         # Later micro-batches run forward while the earlier ones' gradients exist.
         fwd_bwd = state + params * grads + activations + transient + comm
@@ -251,7 +262,7 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     # ZeRO's reduce bucket holds at most reduce_bucket_size (DeepSpeed's default 5e8) elements.
     step_extra = min(params, 5e8) * step + params * step_dp / layout.dp
     at_step = state + params * grads + step_extra
-    return {"params": params, "weights_grads": params * (kept + grads), "optimizer": params * kept_dp / layout.dp,
+    return {"params": params, "weights_grads": params * (kept + grads), "optimizer": params * (unsharded + kept_dp / layout.dp),
             "activations": activations + transient, "buffers": comm, "step_extra": step_extra,
             "peak": max(fwd_bwd, at_step), "peak_phase": "forward/backward" if fwd_bwd >= at_step else "optimizer step"}
 

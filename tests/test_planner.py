@@ -150,3 +150,24 @@ def test_plan_command_rejects_bad_input(capsys):
     assert "--mfu" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["plan", "deepnet-48-48", "--gpus", "8", "--gpu", "tpu-v5"])
+
+
+def test_without_zero_adam_state_is_unsharded_and_one_replica_makes_no_step_copies():
+    """parallel.zero_stage: 0 in fp32: AdamW's m and v (8 B/param) beside the weights on every
+    replica, no flat master copy; DeepSpeed's all-reduce flattens the gradients (4 B/param) only
+    with more than one replica (parallel/ds_engine.py skips it with one)."""
+    import dataclasses
+
+    from parallel.devices import cpu_device
+    from parallel.planner import Candidate, stage_memory
+
+    model, dev = named_model("base-6-6"), cpu_device(1e11, 24 * 2**30)
+    zero1 = Candidate(pp=1, tp=1, dp=4, micro_batches=2, sequences=32, src_len=16, tgt_len=16, precision="fp32")
+    for dp in (4, 1):
+        one = stage_memory(model, dataclasses.replace(zero1, dp=dp), 0, dev)
+        none = stage_memory(model, dataclasses.replace(zero1, dp=dp, zero=0), 0, dev)
+        params = one["params"]
+        assert one["optimizer"] == pytest.approx(12 * params / dp)  # fp32 master + m + v, sharded
+        assert none["optimizer"] == pytest.approx(8 * params)  # m + v, whole on every replica
+        assert none["step_extra"] == pytest.approx(4 * params if dp > 1 else 0.0)
+        assert none["activations"] == one["activations"] and none["weights_grads"] == one["weights_grads"]
