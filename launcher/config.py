@@ -279,9 +279,11 @@ def validate(cfg: RunConfig, where: str) -> None:
     if m.max_positions < longest:
         raise ConfigError(f"{where}: model.max_positions={m.max_positions} is below the longest sequence "
                           f"the data allows (data.max_source_len/max_target_len = {longest}); raise it")
-    if p.zero_stage == 0 and p.pipeline_stages > 1 and t.clip_norm > 0 and p.precision == "fp32":
-        raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1 and "
-                          "train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
+    if (p.zero_stage == 0 and p.pipeline_stages > 1 and p.tensor_parallel > 1 and t.clip_norm > 0
+            and p.precision == "fp32"):
+        # parallel/ds_engine.py computes the norm right across stages without tensor parallelism.
+        raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1, tensor_parallel > 1 "
+                          "and train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
                           "use zero_stage: 1")
     if p.schedule == "zb-h1" and p.precision != "fp32":
         raise ConfigError(f"{where}: parallel.schedule=zb-h1 supports precision fp32 only (DeepSpeed's bf16/fp16 "

@@ -9,11 +9,15 @@ falls back to DeepSpeed's own code outside the case it covers:
   flattens every gradient into buckets, all-reduces each over a group of one, divides by 1 and
   copies it back. The only effect kept: a parameter without a gradient gets a zero one (DeepSpeed
   does this so that every rank reduces the same buffers; AdamW then updates that parameter).
-* `clip_fp32_gradients` (ZeRO stage 0, fp32) on one model-parallel rank: DeepSpeed's
-  `clip_grad_norm_` takes one norm and one multiply per tensor in Python; here `torch._foreach_norm`
-  and `torch._foreach_mul_`, with DeepSpeed's formula (coefficient min(1, c / (‖g‖ + 1e-6)), the
-  norm averaged over the data-parallel group). The norm is also kept as the step's global gradient
-  norm, which DeepSpeed leaves unset without ZeRO.
+* `clip_fp32_gradients` (ZeRO stage 0, fp32) without tensor parallelism. DeepSpeed 0.19.8's
+  `clip_grad_norm_` is wrong with pipeline stages (it counts only the first stage's gradients, and
+  the tied embedding on both of its stages) and takes one norm and one multiply per tensor in
+  Python. Here: each stage's sum of squares by `torch._foreach_norm`, the tied embedding's copies
+  that DeepSpeed marks `ds_pipe_replicated` left out, summed over the pipeline group; then
+  DeepSpeed's formula (coefficient min(1, c / (‖g‖ + 1e-6)), the norm averaged over the
+  data-parallel group) applied by `torch._foreach_mul_`. The norm is also kept as the step's
+  global gradient norm, which DeepSpeed leaves unset without ZeRO. With tensor parallelism,
+  DeepSpeed's own (the config refuses that case at pp > 1).
 * `zero_grad` without ZeRO: DeepSpeed's, over a parameter list kept at construction instead of a
   walk of the module tree (the parameters of a built stage do not change).
 
@@ -51,14 +55,20 @@ class TrainerEngine(PipelineEngine):
                 param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def clip_fp32_gradients(self):
-        mpu = self.mpu
-        if mpu is not None and mpu.get_model_parallel_world_size() > 1:
+        if self.grid.get_slice_parallel_world_size() > 1:  # tensor parallelism: DeepSpeed's own
             return super().clip_fp32_gradients()
         grads = [p.grad for p in self._module_params if p.grad is not None]
         if not grads:
             return super().clip_fp32_gradients()
-        norms = torch._foreach_norm(grads, 2.0)
-        total = torch.stack(norms).pow(2.0).sum().float().pow(0.5)
+        # Each stage's squared norm, the tied embedding counted on its first stage only (DeepSpeed
+        # marks the other copies `ds_pipe_replicated`), summed over the pipeline.
+        counted = [p.grad for p in self._module_params
+                   if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        squares = (torch.stack(torch._foreach_norm(counted, 2.0)).pow(2.0).sum().float() if counted
+                   else torch.zeros((), device=grads[0].device))
+        if self.num_stages > 1:
+            ds_comm.all_reduce(squares, group=self.grid.get_pipe_parallel_group())
+        total = squares.pow(0.5)
         group = groups._get_data_parallel_group()
         if ds_comm.get_world_size(group=group) > 1:  # DeepSpeed averages the (equal) norms of the replicas
             total = total / float(ds_comm.get_world_size(group=group))

@@ -1,11 +1,13 @@
 """The trainer's engine (parallel/ds_engine.py) without ZeRO gives the single process's numbers.
 
 TrainerEngine replaces DeepSpeed's gradient all-reduce (at one replica), global-norm clipping and
-zero_grad on the fp32 path without ZeRO (parallel.zero_stage: 0), the fast choice at pp = 1 and
-dp = 1. Two launches on the real deepspeed launcher, pp = 1 with ZeRO stage 0, every step clipped:
-one rank (the overrides' own path) and two replicas (DeepSpeed's all-reduce, the overrides' norm
-averaged over the replicas). Losses, clipped norms and parameters equal the single-process
-reference; a run resumed from a checkpoint reproduces the uninterrupted losses.
+zero_grad on the fp32 path without ZeRO (parallel.zero_stage: 0), the fast choice with one
+replica. Three launches on the real deepspeed launcher with ZeRO stage 0, every step clipped:
+pp = 1 on one rank (the overrides' own path), pp = 1 with two replicas (DeepSpeed's all-reduce, the
+norm averaged over the replicas) and pp = 2 (the norm summed over the stages with the tied
+embedding counted once, where DeepSpeed's own clipping counts only the first stage). Losses,
+clipped norms and parameters equal the single-process reference; a run resumed from a checkpoint
+reproduces the uninterrupted losses.
 """
 import pytest
 
@@ -16,16 +18,16 @@ from tests.reference import assert_parameters_equal, assert_steps_equal, load_pa
 STEPS, SAVE_AT, CLIP = 4, 2, 0.05
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
+@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=["pp1-dp1", "pp1-dp2", "pp2-dp1"])
 def zero0_run(request, tiny_data, tmp_path_factory):
-    dp = request.param
-    work = tmp_path_factory.mktemp(f"zero0-dp{dp}")
+    pp, dp = request.param
+    work = tmp_path_factory.mktemp(f"zero0-pp{pp}-dp{dp}")
     config = write_run_config(str(work / "run.yaml"), str(work / "run"), tiny_data,
-                              parallel={"pipeline_stages": 1, "data_parallel": dp, "zero_stage": 0},
+                              parallel={"pipeline_stages": pp, "data_parallel": dp, "zero_stage": 0},
                               train={"micro_batches": 4 // dp, "clip_norm": CLIP, "lr": 0.001,
                                      "save_interval": 1000})
     out = str(work / "result.json")
-    result = run_worker(dp, "tests/dist/pipeline_worker.py", out,
+    result = run_worker(pp * dp, "tests/dist/pipeline_worker.py", out,
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--only-plain"])
     return result["plain"], load_params(f"{out}.params"), reference_run(load_config(config), STEPS)
 
