@@ -200,8 +200,12 @@ class Launch:
         self.log = open(os.path.join(self.run_dir, "train.log"), "a")
         script = "experiments/fig4_worker.py" if run.kind == "fig4" else "launcher/train.py"
         command = deepspeed_command(RANKS, script, ["--config", cfg_path])
-        self.proc = subprocess.Popen([sys.executable, "-c", CPU_WRAPPER, self.cpu_file, *command],
-                                     env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", CPU_WRAPPER, self.cpu_file, *command],
+                                         env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        except BaseException:
+            self.log.close()
+            raise
 
     def poll(self) -> bool:
         """Advance the bar by the steps logged since the last poll; True while the run is going."""
