@@ -79,3 +79,15 @@ def launch(world_size: int, script: str, args: list[str], timeout: int = 600) ->
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])
     return proc
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails a case that gets as far as building the ranks' launch command."""
+    import launcher.commands.train as train_command
+
+    def refuse(*args, **kwargs):
+        from tests.bad_inputs import RankLaunched
+
+        raise RankLaunched(f"ranks were about to be launched: {args}")
+    monkeypatch.setattr(train_command, "deepspeed_command", refuse)
