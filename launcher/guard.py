@@ -118,9 +118,11 @@ class DivergenceGuard:
                 norm = self.engine._global_grad_norm if self.engine.gradient_clipping() > 0 else None
                 # A non-finite gradient makes the clipping norm non-finite; without clipping, one
                 # max-abs per tensor (foreach) instead of a check and a sync per tensor.
-                grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
-                local = norm is None and bool(grads) and not bool(
-                    torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
+                local = False
+                if norm is None:
+                    grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+                    local = bool(grads) and not bool(
+                        torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).all())
                 skip = self.decide(float(norm) if norm is not None else None, local)
                 opt.overflow = skip
                 return None if skip else original(*args, **kwargs)

@@ -57,13 +57,13 @@ class TrainerEngine(PipelineEngine):
     def clip_fp32_gradients(self):
         if self.grid.get_slice_parallel_world_size() > 1:  # tensor parallelism: DeepSpeed's own
             return super().clip_fp32_gradients()
-        grads = [p.grad for p in self._module_params if p.grad is not None]
-        if not grads:
+        with_grad = [p for p in self._module_params if p.grad is not None]
+        if not with_grad:
             return super().clip_fp32_gradients()
+        grads = [p.grad for p in with_grad]
         # Each stage's squared norm, the tied embedding counted on its first stage only (DeepSpeed
         # marks the other copies `ds_pipe_replicated`), summed over the pipeline.
-        counted = [p.grad for p in self._module_params
-                   if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        counted = [p.grad for p in with_grad if not getattr(p, "ds_pipe_replicated", False)]
         squares = (torch.stack(torch._foreach_norm(counted, 2.0)).pow(2.0).sum().float() if counted
                    else torch.zeros((), device=grads[0].device))
         if self.num_stages > 1:

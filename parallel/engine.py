@@ -203,11 +203,10 @@ def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: T
     optimizer = adamw(module.parameters(), t)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
     config = deepspeed_config(p, t, run_dir, load_universal)
-    engine_class = TrainerEngine
-    if p.schedule == "zb-h1":
-        from parallel.zero_bubble import ZeroBubbleEngine
-        engine_class = ZeroBubbleEngine
-    engine = initialize(module, optimizer, scheduler, config, engine_class)
-    if p.schedule == "zb-h1":
-        engine.max_pending_w = p.pending_bound(p.zb_pending_w)
+    if p.schedule != "zb-h1":
+        return initialize(module, optimizer, scheduler, config, TrainerEngine), module
+    from parallel.zero_bubble import ZeroBubbleEngine
+
+    engine = initialize(module, optimizer, scheduler, config, ZeroBubbleEngine)
+    engine.max_pending_w = p.pending_bound(p.zb_pending_w)
     return engine, module
