@@ -59,7 +59,7 @@ def layout_name(layout: dict) -> str:
     schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
     partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
     if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
-        schedule += "-paper" if layout["zb_pending_w"] < 0 else f"-w{layout['zb_pending_w']}"
+        schedule += "-auto" if layout["zb_pending_w"] < 0 else f"-w{layout['zb_pending_w']}"
     zero = f"-z{layout['zero']}" if layout.get("zero", 1) != 1 else ""  # ZeRO stage (parallel.zero_stage)
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
             f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}{partition}"

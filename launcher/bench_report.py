@@ -346,8 +346,10 @@ def replayed_pipeline(result: dict) -> dict:
     shared machine stretch wall time and so the measured bubble; they barely change CPU time,
     so this is the schedule's own bubble and step time at the measured op costs.
 
-    1F1B's backward is one op (B + W); ZB-H1's first stage computes W inside its backward."""
-    from parallel.zb_timeline import ORDERS, simulate, zb_h1_order
+    1F1B's backward is one op (B + W); ZB-H1 replays the orders its engine ran (`zb_orders` of a
+    rank, tuned to the costs it measured), where a first stage whose W follows each B at once
+    computes W inside B."""
+    from parallel.zb_timeline import ORDERS, fixed, simulate, zb_h1_order
 
     layout = result["layout"]
     pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
@@ -362,7 +364,10 @@ def replayed_pipeline(result: dict) -> dict:
                    for k in ("ForwardPass", "BackwardPass", "WeightPass"))
         costs.append({"F": f, "B": b, "W": w, "BW": b + w})
     order = ORDERS[schedule]
-    if schedule == "zb-h1":  # parallel.zb_pending_w, default 0; -1 is the paper's order
+    ran = next((rank["zb_orders"] for rank in result["ranks"] if rank.get("zb_orders")), None)
+    if schedule == "zb-h1" and ran:
+        order = fixed(ran)
+    elif schedule == "zb-h1":  # no orders recorded: parallel.zb_pending_w's untuned order
         order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
     timeline = simulate(pp, m, costs, order)
     span = max(ops[-1][1] for ops in timeline)

@@ -1,12 +1,12 @@
 """`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved.
 
     ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-pending-w=0,-1]
-                             [--warmup 1] [--steps 4] [--out DIR]
+                             [--warmup 2] [--steps 4] [--out DIR]
 
 `./run.sh bench train` runs each layout in its own launch, one after the other; on a shared
 machine the load changes between them and with it wall and even CPU time (two ranks per core
 pair slow each other's caches). Here one launch per micro-batch count builds one real `Trainer`
-per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 the paper's order), all on the same
+per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 none), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
 the pipeline phase: 1 − (forward + backward + weight passes) / (step − reductions − optimizer),
@@ -32,7 +32,7 @@ def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
     """(name, schedule, parallel.zb_pending_w) per trained schedule."""
     out = [("1f1b", "1f1b", 0)]
     for p in pending:
-        out.append(("zb-h1-paper" if p < 0 else f"zb-h1-w{p}", "zb-h1", p))
+        out.append(("zb-h1-auto" if p < 0 else f"zb-h1-w{p}", "zb-h1", p))
     return out
 
 
@@ -76,7 +76,8 @@ def worker(args: argparse.Namespace) -> None:
             out = trainer.train_step()
             steps[name].append({"seconds": out["seconds"], "cpu_seconds": time.process_time() - start,
                                 "loss": out["loss"], "wall": dict(wall), "process_time": dict(cpu)})
-    mine = {"rank": rank, "stage": trainers[0].engine.stage_id, "steps": steps}
+    mine = {"rank": rank, "stage": trainers[0].engine.stage_id, "steps": steps,
+            "zb_orders": {name: getattr(trainer.engine, "zb_orders", None) for trainer, (name, _, _) in zip(trainers, variants)}}
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
     if rank == 0:
@@ -104,7 +105,8 @@ def summarize(result: dict) -> list[dict]:
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
                   "zb_pending_w": pending}
         replay = replayed_pipeline({"layout": layout, "ranks": [
-            {"stage": stage, "instructions_cpu": [s["process_time"] for s in steps]} for stage, steps in per_rank]})
+            {"stage": stage, "instructions_cpu": [s["process_time"] for s in steps],
+             "zb_orders": r.get("zb_orders", {}).get(name)} for (stage, steps), r in zip(per_rank, result["ranks"])]})
         seconds = [s["seconds"] for s in per_rank[0][1]]
         rows.append({"schedule": name, "micro_batches": m, "step_s_median": statistics.median(seconds),
                      "step_s": seconds, "stage_bubble": [statistics.fmean(b) for b in bubble],
@@ -144,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batches", default="4,8", help="comma-separated (one launch each)")
     parser.add_argument("--zb-pending-w", default="0,-1",
                         help="ZB-H1 variants: k >= 0 at most k pending weight passes per stage (0: the default); "
-                             "-1 the paper's order")
-    parser.add_argument("--warmup", type=int, default=1)
+                             "-1 no bound (the order tuned to the measured costs)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed steps per schedule (ZB-H1 tunes its order to the costs of its second step)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="runs/bench-schedules")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

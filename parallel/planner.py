@@ -85,7 +85,7 @@ class Candidate:
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
     zb_max_pending: int | None = 0
     """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_pending_w (0:
-    1F1B's memory on every stage; None where the config says -1: the paper's order, stage s keeps s)."""
+    1F1B's memory on every stage; None where the config says -1: no bound, the tuned order)."""
     zero: int = 1
     """parallel.zero_stage: 1 (ZeRO-1) or 0 (the client optimizer on the weights)."""
 
@@ -233,17 +233,18 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
         per_mb = sum(layered) + other
         transient = max(scratch, loss_scratch)
     activations = in_flight * per_mb
-    if layout.schedule == "zb-h1" and stage > 0:
-        # ZB-H1 runs W of micro-batch j after B of j + stage: while the stage runs forwards,
-        # `stage` micro-batches wait for their W (the last stage holds p − 1 of them). The
-        # micro-batch going through B turns its activations into its W tensors (the linear inputs
-        # are the same tensors), so B's peak is 1F1B's plus the pending ones. With checkpointing
-        # these are recomputed tensors. The first stage computes W inside its backward
-        # (parallel/zero_bubble.py), as 1F1B does. Measured (bench, pp = 2, default model): the
-        # last stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
+    if layout.schedule == "zb-h1":
+        # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
+        # order: `stage` of them, the last stage p − 1; the order tuned to cheaper W: up to
+        # stage + 1, the first stage too). The micro-batch going through B turns its activations
+        # into its W tensors (the linear inputs are the same tensors), so B's peak is 1F1B's plus
+        # the pending ones. With checkpointing these are recomputed tensors. Measured (bench,
+        # pp = 2, default model, paper's order): the last stage's live tensors peak 1 micro-batch's
+        # W tensors above 1F1B's.
+        from parallel.zb_timeline import pending_peak
+
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        pending = stage if layout.zb_max_pending is None else min(stage, layout.zb_max_pending)
-        activations += min(pending, layout.micro_batches) * held
+        activations += pending_peak(zb_orders(cfg, layout)[stage]) * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -330,8 +331,19 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Candidate, compute: float, tp_comm
     (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
     W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
     Communication goes with F (activations) and B (gradients)."""
-    from parallel.zb_timeline import simulate, zb_h1_order
+    from parallel.zb_timeline import fixed, simulate
 
+    f_share, w_share = _zb_shares(cfg, layout)
+    cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
+    cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
+    timeline = simulate(layout.pp, layout.micro_batches, cost, fixed(zb_orders(cfg, layout)))
+    seconds = max(ops[-1][1] for ops in timeline)
+    return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
+
+
+def _zb_shares(cfg: ModelConfig, layout: Candidate) -> tuple[float, float]:
+    """The slowest stage's F and W shares of its compute (FLOP model; W = the weight-gradient
+    matmuls, B the rest of the backward, recomputation included)."""
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     shares = []
     for kinds in stage_kinds(cfg, layout.pp):
@@ -341,11 +353,17 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Candidate, compute: float, tp_comm
         total = 3 * fwd + (recompute if layout.checkpoint else 0)
         shares.append((total, fwd / total if total else 1 / 3, w / total if total else 1 / 3))
     _, f_share, w_share = max(shares)
-    cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
-    cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
-    order = functools.partial(zb_h1_order, max_pending=layout.zb_max_pending)
-    seconds = max(ops[-1][1] for ops in simulate(layout.pp, layout.micro_batches, cost, order))
-    return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
+    return f_share, w_share
+
+
+def zb_orders(cfg: ModelConfig, layout: Candidate) -> list[list[tuple[str, int]]]:
+    """The ZB-H1 orders the engine would tune to at the FLOP model's F, B and W shares
+    (parallel/zb_timeline.py's tuned_orders; the choice depends only on their ratios)."""
+    from parallel.zb_timeline import tuned_orders
+
+    f_share, w_share = _zb_shares(cfg, layout)
+    cost = {"F": f_share, "B": 1.0 - f_share - w_share, "W": w_share}
+    return tuned_orders(layout.pp, layout.micro_batches, cost, layout.zb_max_pending)
 
 
 @dataclass(frozen=True)

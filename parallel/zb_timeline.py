@@ -52,7 +52,109 @@ def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple
     return order
 
 
+def filled_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None,
+                  bound: list[int]) -> list[list[tuple[str, int]]]:
+    """ZB-H1 orders of every stage by list scheduling on `cost`: each stage runs 1F1B's sequence
+    of F and B, and whenever the next of them is still waiting for its input it runs its oldest
+    pending W instead; stage s never keeps more than bound[s] W pending (one more runs right
+    after its B). The first stage splits too: its W fill the wait for the last gradients, where
+    zb_h1_order's first stage idles. O(p²·m)."""
+    p, m = stages, micro_batches
+    costs = _stage_costs(p, cost)
+    sequences = [[("B" if kind == "BW" else kind, j) for kind, j in one_f_one_b_order(p, m, s)] for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    position, free = [0] * p, [0.0] * p
+    pending: list[deque[int]] = [deque() for _ in range(p)]
+    orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+
+    def run(s: int, kind: str, j: int, start: float) -> None:
+        free[s] = done[(kind, s, j)] = start + costs[s][kind]
+        orders[s].append((kind, j))
+
+    while True:
+        best = None  # (start, stage, kind, micro-batch) of the earliest possible next op
+        for s in range(p):
+            action = (free[s], s, "W", pending[s][0]) if pending[s] else None
+            if position[s] < len(sequences[s]):
+                kind, j = sequences[s][position[s]]
+                dep = _dependency(kind, s, j, p)
+                ready = 0.0 if dep is None else done.get(dep)
+                if ready is not None and (ready <= free[s] or action is None):
+                    action = (max(free[s], ready), s, kind, j)
+            if action is not None and (best is None or action < best):
+                best = action
+        if best is None:
+            break
+        start, s, kind, j = best
+        run(s, kind, j, start)
+        if kind == "W":
+            pending[s].popleft()
+            continue
+        position[s] += 1
+        if kind == "B":
+            pending[s].append(j)
+            if len(pending[s]) > bound[s]:
+                run(s, "W", pending[s].popleft(), free[s])
+    if any(position[s] < len(sequences[s]) for s in range(p)):
+        raise RuntimeError(f"filled order stalls at pp={p}, m={m}")
+    return orders
+
+
+def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+                 max_pending: int | None = None) -> list[list[tuple[str, int]]]:
+    """The ZB-H1 orders of every stage that finish a step soonest at `cost` (per-stage F, B, W
+    seconds; unit costs by default), among zb_h1_order (the paper's: stage s keeps s W pending)
+    and filled_orders with up to s + 1 pending on stage s, both capped at `max_pending` (None: no
+    cap). Ties keep the paper's order, so at unit costs it is always the paper's."""
+    p, m = stages, micro_batches
+    cap = (lambda n: n) if max_pending is None else (lambda n: min(n, max_pending))
+    candidates = [[zb_h1_order(p, m, s, max_pending) for s in range(p)],
+                  filled_orders(p, m, cost, [cap(s + 1) for s in range(p)])]
+
+    def span(orders: list[list[tuple[str, int]]]) -> float:
+        return max(ops[-1][1] for ops in simulate(p, m, cost, lambda _p, _m, s: orders[s]))
+
+    return min(candidates, key=span)  # min keeps the first of equal spans
+
+
+def pending_peak(order: list[tuple[str, int]]) -> int:
+    """Most micro-batches whose W is still pending when a stage starts a B (its memory beyond
+    1F1B's: the micro-batch in B turns its activations into its own W tensors)."""
+    backwards = weights = peak = 0
+    for kind, _ in order:
+        if kind == "B":
+            peak = max(peak, backwards - weights)
+            backwards += 1
+        elif kind == "W":
+            weights += 1
+    return peak
+
+
+def fixed(orders: list[list[tuple[str, int]]]) -> Order:
+    """The `Order` that returns these per-stage orders."""
+    return lambda _stages, _micro_batches, stage: list(orders[stage])
+
+
 ORDERS: dict[str, Order] = {"1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
+
+
+def _stage_costs(p: int, cost: dict[str, float] | list[dict[str, float]] | None) -> list[dict[str, float]]:
+    """One cost dict per stage with F, B, W (unit by default) and BW = B + W unless given."""
+    costs = []
+    for c in (cost if isinstance(cost, list) else [cost] * p):
+        c = {"F": 1.0, "B": 1.0, "W": 1.0, **(c or {})}
+        c.setdefault("BW", c["B"] + c["W"])
+        costs.append(c)
+    return costs
+
+
+def _dependency(kind: str, s: int, j: int, p: int) -> tuple[str, int, int] | None:
+    """The op whose end an op of stage s on micro-batch j waits for (None: the first forward)."""
+    if kind == "F":
+        return ("F", s - 1, j) if s > 0 else None
+    if kind in ("B", "BW"):
+        return ("B", s + 1, j) if s < p - 1 else ("F", s, j)
+    return ("B", s, j)
 
 
 def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
@@ -62,11 +164,7 @@ def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict
     `cost` gives F, B, W (BW defaults to B + W), for all stages or one dict per stage; unit
     costs by default. O(p·m)."""
     p = stages
-    costs = []
-    for c in (cost if isinstance(cost, list) else [cost] * p):
-        c = {"F": 1.0, "B": 1.0, "W": 1.0, **(c or {})}
-        c.setdefault("BW", c["B"] + c["W"])
-        costs.append(c)
+    costs = _stage_costs(p, cost)
     orders = [order(p, micro_batches, s) for s in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     waiting: dict[tuple[str, int, int], int] = {}
@@ -77,12 +175,7 @@ def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict
         s = ready.popleft()
         while position[s] < len(orders[s]):
             kind, j = orders[s][position[s]]
-            if kind == "F":
-                dep = ("F", s - 1, j) if s > 0 else None
-            elif kind in ("B", "BW"):
-                dep = ("B", s + 1, j) if s < p - 1 else ("F", s, j)
-            else:
-                dep = ("B", s, j)
+            dep = _dependency(kind, s, j, p)
             if dep is not None and dep not in done:
                 waiting[dep] = s
                 break

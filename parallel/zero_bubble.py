@@ -17,11 +17,18 @@ Three pieces, applied from outside the model:
   micro-batch's W work, runs it at WeightPass, and flushes whatever is left into `.grad` before
   the tied-weight and data-parallel gradient reductions and the optimizer step (so ZeRO-1, the
   global-norm clipping and the tied embedding see complete gradients).
+
+The order of F, B and W on each stage is tuned to the model (parallel/zb_timeline.py's
+`tuned_orders`): the first training step runs the paper's order; the engine times each stage's
+F, B and W in its second step, every rank takes the same per-stage means (one all-reduce), and
+from the third step on each stage runs the order that finishes soonest at those costs. Where W
+is cheaper than F and B (on CPUs W is 0.3–0.45 of F + B, not the paper's ½) that is the
+list-scheduled order in which every stage, the first too, fills its waits with pending W.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
+import time
 
 import torch
 from deepspeed import comm as ds_comm
@@ -29,10 +36,10 @@ from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from parallel import accelerator
 from parallel.ds_engine import TrainerEngine
-
 from parallel.weight_split import WeightGradStore, split_weight_gradients
-from parallel.zb_timeline import simulate, zb_h1_order
+from parallel.zb_timeline import fixed, simulate, tuned_orders
 
 
 # ---------------------------------------------------------------- the schedule
@@ -42,9 +49,10 @@ class WeightPass(ds_schedule.BufferOpInstruction):
     """Compute the deferred weight gradients of the micro-batch in `buffer_id` into `.grad`."""
 
 
-def stage_instructions(stages: int, micro_batches: int, stage: int,
-                       max_pending: int | None = None) -> list[list[ds_schedule.PipeInstruction]]:
-    """DeepSpeed instructions of one stage for one training step of ZB-H1.
+def stage_instructions(stages: int, micro_batches: int, stage: int, orders: list[list[tuple[str, int]]] | None = None,
+                       cost: list[dict[str, float]] | None = None) -> list[list[ds_schedule.PipeInstruction]]:
+    """DeepSpeed instructions of one stage for one training step of ZB-H1, running `orders` (per
+    stage, as zb_timeline's; default: the paper's) timed at `cost` (default: unit costs).
 
     Point-to-point transfers in DeepSpeed block until the peer takes part, so both ends of every
     link must meet their transfers in the same order. Each transfer gets the time at which the
@@ -53,7 +61,7 @@ def stage_instructions(stages: int, micro_batches: int, stage: int,
     transfers then happen in one global order, which cannot deadlock.
     """
     p, m, s = stages, micro_batches, stage
-    timeline = simulate(p, m, order=functools.partial(zb_h1_order, max_pending=max_pending))
+    timeline = simulate(p, m, cost, fixed(orders or tuned_orders(p, m)))
     events: list[tuple[tuple, list]] = []
     for start, end, kind, j in timeline[s]:
         if kind == "F":
@@ -82,15 +90,16 @@ def stage_instructions(stages: int, micro_batches: int, stage: int,
 
 
 class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
-    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i. `max_pending` as in
-    parallel/zb_timeline.py's zb_h1_order (None: the paper's order)."""
+    """ZB-H1 as a DeepSpeed schedule; buffer i holds micro-batch i. `orders` and `cost` as in
+    stage_instructions."""
 
-    def __init__(self, micro_batches: int, stages: int, stage_id: int, max_pending: int | None = None):
+    def __init__(self, micro_batches: int, stages: int, stage_id: int,
+                 orders: list[list[tuple[str, int]]] | None = None, cost: list[dict[str, float]] | None = None):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.max_pending = max_pending
+        self.orders, self.cost = orders, cost
 
     def steps(self):
-        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id, self.max_pending)
+        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id, self.orders, self.cost)
 
     def num_pipe_buffers(self) -> int:
         return max(self.micro_batches, 2)
@@ -115,20 +124,82 @@ class ZeroBubbleEngine(TrainerEngine):
         self._received_grads: dict[int, object] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
+        self.zb_cost: list[dict[str, float]] | None = None
+        """Per-stage mean seconds of F, B and W per micro-batch measured at `tune_step` (None before)."""
+        self._orders: tuple[tuple, list[list[tuple[str, int]]]] | None = None
+        self._timings: dict[str, float] | None = None
+        self._split_backward = not self.is_first_stage()
+        self._train_batches = 0
 
     max_pending_w: int | None = 0
-    """Bound on the W a stage keeps waiting (zb_h1_order's max_pending). 0 (default): every W
+    """Bound on the W a stage keeps waiting (zb_timeline's `max_pending`). 0 (default): every W
     right after its own B, so every stage holds at most its 1F1B memory (the W's tensors are
-    fewer than its micro-batch's activations); None: the paper's order, stage s keeps s pending,
-    which fills more of the bubble when the stages are balanced, at s micro-batches' W tensors
-    more on stage s."""
+    fewer than its micro-batch's activations); None: no bound beyond the orders' own (the paper's
+    s pending on stage s, or up to s + 1 in the list-scheduled order), which fills more of the
+    bubble, at that many micro-batches' W tensors more on a stage."""
+
+    tune_step: int = 2
+    """The training step (counted from this engine's first) whose F, B and W times choose the
+    order; the first step warms up. 0: never tune (the paper's order capped at max_pending_w)."""
+
+    @property
+    def zb_orders(self) -> list[list[tuple[str, int]]]:
+        """Every stage's order of F, B and W for a training step (the same on every rank)."""
+        key = (self.num_stages, self.micro_batches, self.max_pending_w, repr(self.zb_cost))
+        if self._orders is None or self._orders[0] != key:
+            self._orders = key, tuned_orders(self.num_stages, self.micro_batches, self.zb_cost, self.max_pending_w)
+        return self._orders[1]
 
     def _train_schedule(self):
+        orders = self.zb_orders
+        mine = orders[self.stage_id]
+        defers = any(kind == "B" and mine[i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(mine))
+        # The first stage sends no gradient: split only when its order defers a W, or to time B and
+        # W apart; otherwise its backward computes W inline (layer by layer, as 1F1B does) and
+        # never holds every layer's W tensors at once.
+        self._split_backward = not self.is_first_stage() or defers or self._timings is not None
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
-                                    max_pending=self.max_pending_w)
+                                    orders=orders, cost=self.zb_cost)
+
+    def train_batch(self, data_iter=None):
+        self._train_batches += 1
+        tuning = self._train_batches == self.tune_step and self.max_pending_w != 0 and self.num_stages > 1
+        if tuning:
+            self._timings = {"F": 0.0, "B": 0.0, "W": 0.0}
+        try:
+            loss = super().train_batch(data_iter)
+        finally:
+            timings, self._timings = self._timings, None
+        if tuning:
+            self._tune(timings)
+        return loss
+
+    def _tune(self, timings: dict[str, float]) -> None:
+        """Every rank's stage F, B, W seconds per micro-batch, averaged per stage over the ranks
+        that run it (one all-reduce over all ranks; rank 0's result broadcast so that every rank
+        builds its order from the same bits)."""
+        rows = torch.zeros(self.num_stages, 3, dtype=torch.float64, device=self.device)
+        rows[self.stage_id] = torch.tensor([timings[k] / self.micro_batches for k in "FBW"], dtype=torch.float64)
+        ds_comm.all_reduce(rows)
+        ds_comm.broadcast(rows, src=0)
+        rows /= ds_comm.get_world_size() // self.num_stages
+        self.zb_cost = [dict(zip("FBW", row)) for row in rows.tolist()]
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str):
+        if self._timings is None:
+            yield
+            return
+        clock = time.process_time if accelerator.on_host() else time.perf_counter
+        accelerator.synchronize()
+        start = clock()
+        yield
+        accelerator.synchronize()
+        self._timings[kind] += clock() - start
 
     def _exec_forward_pass(self, buffer_id):
-        PipelineEngine._exec_forward_pass(self, buffer_id)
+        with self._timed("F"):
+            PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.is_last_stage() and self.module.training:
             self._losses[buffer_id] = self.loss
 
@@ -142,11 +213,8 @@ class ZeroBubbleEngine(TrainerEngine):
             self.loss = self._losses.pop(buffer_id)
         else:
             self.grad_layer = self._received_grads.pop(buffer_id)
-        # The first stage sends no gradient, and its W follows its B at once in ZB-H1: deferring
-        # would gain nothing and hold every layer's W tensors at the same time, so its backward
-        # computes W inline (layer by layer, as 1F1B does).
-        deferring = self.weight_grads.collect(buffer_id) if not self.is_first_stage() else contextlib.nullcontext()
-        with deferring:
+        deferring = self.weight_grads.collect(buffer_id) if self._split_backward else contextlib.nullcontext()
+        with self._timed("B"), deferring:
             PipelineEngine._exec_backward_pass(self, buffer_id)
         # DeepSpeed frees these when a buffer slot is reused (1F1B has 2 slots); here every
         # micro-batch has its own slot, so the last stage's logits and the first stage's tokens
@@ -158,7 +226,8 @@ class ZeroBubbleEngine(TrainerEngine):
             self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_weight_pass(self, buffer_id):
-        self.weight_grads.run(buffer_id)
+        with self._timed("W"):
+            self.weight_grads.run(buffer_id)
 
     @contextlib.contextmanager
     def _nonblocking_sends(self):
