@@ -57,7 +57,7 @@ class ParallelConfig:
     """zb-h1 only: at most this many weight passes (W) a stage keeps waiting. 0: every W right after
     its own B, so no stage holds more than its 1F1B memory; k > 0: up to k deferred W per stage, each
     holding one micro-batch's W tensors; -1: no bound: the order tuned to the F, B and W times measured
-    in the second step (the paper's, stage s keeping s pending, or the list-scheduled one keeping up
+    in the second step (the paper's, stage s keeping s pending, or the filled one keeping up
     to s + 1, the first stage too), which fills the most bubble. k ≠ 0 tunes within its bound too.
     Numbers are identical for every value (parallel/zero_bubble.py)."""
 

@@ -52,67 +52,48 @@ def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple
     return order
 
 
-def filled_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None,
-                  bound: list[int]) -> list[list[tuple[str, int]]]:
-    """ZB-H1 orders of every stage by list scheduling on `cost`: each stage runs 1F1B's sequence
-    of F and B, and whenever the next of them is still waiting for its input it runs its oldest
-    pending W instead; stage s never keeps more than bound[s] W pending (one more runs right
-    after its B). The first stage splits too: its W fill the wait for the last gradients, where
-    zb_h1_order's first stage idles. O(p²·m)."""
-    p, m = stages, micro_batches
-    costs = _stage_costs(p, cost)
-    sequences = [[("B" if kind == "BW" else kind, j) for kind, j in one_f_one_b_order(p, m, s)] for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    position, free = [0] * p, [0.0] * p
-    pending: list[deque[int]] = [deque() for _ in range(p)]
-    orders: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None) -> list[tuple[str, int]]:
+    """ZB-H1 with one more W pending per stage than the paper's order, used to fill waits.
 
-    def run(s: int, kind: str, j: int, start: float) -> None:
-        free[s] = done[(kind, s, j)] = start + costs[s][kind]
-        orders[s].append((kind, j))
-
-    while True:
-        best = None  # (start, stage, kind, micro-batch) of the earliest possible next op
-        for s in range(p):
-            action = (free[s], s, "W", pending[s][0]) if pending[s] else None
-            if position[s] < len(sequences[s]):
-                kind, j = sequences[s][position[s]]
-                dep = _dependency(kind, s, j, p)
-                ready = 0.0 if dep is None else done.get(dep)
-                if ready is not None and (ready <= free[s] or action is None):
-                    action = (max(free[s], ready), s, kind, j)
-            if action is not None and (best is None or action < best):
-                best = action
-        if best is None:
-            break
-        start, s, kind, j = best
-        run(s, kind, j, start)
-        if kind == "W":
-            pending[s].popleft()
-            continue
-        position[s] += 1
-        if kind == "B":
-            pending[s].append(j)
-            if len(pending[s]) > bound[s]:
-                run(s, "W", pending[s].popleft(), free[s])
-    if any(position[s] < len(sequences[s]) for s in range(p)):
-        raise RuntimeError(f"filled order stalls at pp={p}, m={m}")
-    return orders
+    1F1B's order of F and B; the W of micro-batch j after the B of j + s + 1 on stage s (capped
+    at `max_pending`), so the first stage defers W too. In the cooldown (no forward left), every
+    stage but the last runs all its pending W before each B: that B waits for the next stage's
+    gradient, and the W fill the wait where zb_h1_order's first stage idles (its last backward
+    then is B + one W). Best when W is cheaper than F and B."""
+    p, m, s = stages, micro_batches, stage
+    delay = s + 1 if max_pending is None else min(s + 1, max_pending)
+    warmup = min(p - 1 - s, m)
+    order = [("F", k) for k in range(warmup)]
+    forwards, weights = warmup, 0
+    for b in range(m):
+        cooldown = forwards >= m
+        if not cooldown:
+            order.append(("F", forwards))
+            forwards += 1
+        if cooldown and s < p - 1:
+            order += [("W", k) for k in range(weights, b)]
+            weights = b
+        order.append(("B", b))
+        if b - weights >= delay:
+            order.append(("W", weights))
+            weights += 1
+    order += [("W", k) for k in range(weights, m)]
+    return order
 
 
 def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
                  max_pending: int | None = None) -> list[list[tuple[str, int]]]:
     """The ZB-H1 orders of every stage that finish a step soonest at `cost` (per-stage F, B, W
-    seconds; unit costs by default), among zb_h1_order (the paper's: stage s keeps s W pending)
-    and filled_orders with up to s + 1 pending on stage s, both capped at `max_pending` (None: no
-    cap). Ties keep the paper's order, so at unit costs it is always the paper's."""
+    seconds; unit costs by default): zb_h1_order (the paper's, stage s keeping s W pending) or
+    filled_order (s + 1, filling the cooldown's waits), both capped at `max_pending` (None: no
+    cap). Ties keep the paper's order, so at unit costs it is the paper's. Both are fixed
+    patterns: chosen on costs measured in one step they stay good when later steps' costs move by
+    ±10% (a list schedule fitted to the measured costs did not)."""
     p, m = stages, micro_batches
-    cap = (lambda n: n) if max_pending is None else (lambda n: min(n, max_pending))
-    candidates = [[zb_h1_order(p, m, s, max_pending) for s in range(p)],
-                  filled_orders(p, m, cost, [cap(s + 1) for s in range(p)])]
+    candidates = [[order(p, m, s, max_pending) for s in range(p)] for order in (zb_h1_order, filled_order)]
 
     def span(orders: list[list[tuple[str, int]]]) -> float:
-        return max(ops[-1][1] for ops in simulate(p, m, cost, lambda _p, _m, s: orders[s]))
+        return max(ops[-1][1] for ops in simulate(p, m, cost, fixed(orders)))
 
     return min(candidates, key=span)  # min keeps the first of equal spans
 

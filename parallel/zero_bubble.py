@@ -23,7 +23,8 @@ The order of F, B and W on each stage is tuned to the model (parallel/zb_timelin
 F, B and W in its second step, every rank takes the same per-stage means (one all-reduce), and
 from the third step on each stage runs the order that finishes soonest at those costs. Where W
 is cheaper than F and B (on CPUs W is 0.3–0.45 of F + B, not the paper's ½) that is the
-list-scheduled order in which every stage, the first too, fills its waits with pending W.
+filled order (zb_timeline.filled_order): one more W pending per stage, the first stage too, run
+while a stage waits for a gradient in the cooldown.
 """
 from __future__ import annotations
 
@@ -135,7 +136,7 @@ class ZeroBubbleEngine(TrainerEngine):
     """Bound on the W a stage keeps waiting (zb_timeline's `max_pending`). 0 (default): every W
     right after its own B, so every stage holds at most its 1F1B memory (the W's tensors are
     fewer than its micro-batch's activations); None: no bound beyond the orders' own (the paper's
-    s pending on stage s, or up to s + 1 in the list-scheduled order), which fills more of the
+    s pending on stage s, or s + 1 in the filled order), which fills more of the
     bubble, at that many micro-batches' W tensors more on a stage."""
 
     tune_step: int = 2

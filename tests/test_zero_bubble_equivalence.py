@@ -4,7 +4,7 @@ Three launches (pp=2, pp=3, pp=2 × tp=2), ZeRO-1, every step clipped, 4 micro-b
 shapes change within and between steps. Checked: per-step losses, clipped global gradient norms
 and final parameters of ZB-H1 against the single-process reference (≤ 1e-5 relative), with and
 without activation checkpointing, in the default order (no pending weight passes), the order tuned
-to measured costs and the list-scheduled order in which the first stage defers W too; with
+to measured costs and the filled order in which the first stage defers W too; with
 dropout and checkpointing, ZB-H1 against 1F1B (same dropout streams); megatron-core's
 tensor-parallel layers split the same way.
 """
@@ -103,11 +103,11 @@ def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
     _close_params(params["zb_drop"], params["1f1b_drop"])
 
 
-def test_zb_h1_tunes_its_order_and_runs_the_list_scheduled_one(zb_run):
+def test_zb_h1_tunes_its_order_and_runs_the_filled_one(zb_run):
     """zb_auto measured F, B and W on every stage in step 2 (the same costs on every rank); zb_filled
-    ran the list-scheduled order, in which the first stage keeps a W pending and the others more
+    ran the filled order, in which the first stage keeps a W pending and the others one more
     than the paper's order lets them."""
-    from parallel.zb_timeline import pending_peak, tuned_orders, zb_h1_order
+    from parallel.zb_timeline import filled_order, pending_peak, tuned_orders, zb_h1_order
 
     pp, result, _, _ = zb_run
     if "zb_filled" not in result:
@@ -116,5 +116,5 @@ def test_zb_h1_tunes_its_order_and_runs_the_list_scheduled_one(zb_run):
     assert len(auto["zb_cost"]) == pp and all(c["F"] > 0 and c["B"] > 0 and c["W"] > 0 for c in auto["zb_cost"])
     assert [list(map(tuple, o)) for o in auto["zb_orders"]] == tuned_orders(pp, 4, auto["zb_cost"])
     filled = [list(map(tuple, o)) for o in result["zb_filled"]["zb_orders"]]
-    assert filled != [zb_h1_order(pp, 4, s) for s in range(pp)]
+    assert filled == [filled_order(pp, 4, s) for s in range(pp)] != [zb_h1_order(pp, 4, s) for s in range(pp)]
     assert [pending_peak(o) for o in filled] == [s + 1 for s in range(pp)]

@@ -11,7 +11,7 @@ zb_auto:         ZB-H1 without a bound on pending W (parallel.zb_pending_w: -1):
                  in step 1, the order tuned to the F, B, W times of step 2 from step 3 on;
                  the others use the default bound 0 (W right after its own B).
 zb_filled:       as zb_auto, with W-cheap costs (F = B = 1, W = 0.4) given from the start, so
-                 every step runs the list-scheduled order (the first stage defers W too).
+                 every step runs the filled order (the first stage defers W too).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
 writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
