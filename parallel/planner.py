@@ -235,16 +235,19 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     activations = in_flight * per_mb
     if layout.schedule == "zb-h1":
         # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
-        # order: `stage` of them, the last stage p − 1; the order tuned to cheaper W: up to
-        # stage + 1, the first stage too). The micro-batch going through B turns its activations
-        # into its W tensors (the linear inputs are the same tensors), so B's peak is 1F1B's plus
-        # the pending ones. With checkpointing these are recomputed tensors. Measured (bench,
-        # pp = 2, default model, paper's order): the last stage's live tensors peak 1 micro-batch's
-        # W tensors above 1F1B's.
-        from parallel.zb_timeline import pending_peak
+        # order: `stage` of them, the last stage p − 1; the filled order: up to stage + 1, the
+        # first stage too). The engine picks its order from costs it measures, so the larger of
+        # the two is planned for. The micro-batch going through B turns its activations into its
+        # W tensors (the linear inputs are the same tensors), so B's peak is 1F1B's plus the
+        # pending ones. With checkpointing these are recomputed tensors. Measured (bench, pp = 2,
+        # default model, paper's order): the last stage's live tensors peak 1 micro-batch's W
+        # tensors above 1F1B's.
+        from parallel.zb_timeline import candidate_orders, pending_peak
 
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        activations += pending_peak(zb_orders(cfg, layout)[stage]) * held
+        pending = max(pending_peak(orders[stage])
+                      for orders in candidate_orders(layout.pp, layout.micro_batches, layout.zb_max_pending))
+        activations += pending * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.

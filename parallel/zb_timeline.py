@@ -90,12 +90,17 @@ def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[
     patterns: chosen on costs measured in one step they stay good when later steps' costs move by
     ±10% (a list schedule fitted to the measured costs did not)."""
     p, m = stages, micro_batches
-    candidates = [[order(p, m, s, max_pending) for s in range(p)] for order in (zb_h1_order, filled_order)]
+    candidates = candidate_orders(p, m, max_pending)
 
     def span(orders: list[list[tuple[str, int]]]) -> float:
         return max(ops[-1][1] for ops in simulate(p, m, cost, fixed(orders)))
 
     return min(candidates, key=span)  # min keeps the first of equal spans
+
+
+def candidate_orders(stages: int, micro_batches: int, max_pending: int | None = None) -> list[list[list[tuple[str, int]]]]:
+    """The per-stage orders tuned_orders chooses from: the paper's, then the filled one."""
+    return [[order(stages, micro_batches, s, max_pending) for s in range(stages)] for order in (zb_h1_order, filled_order)]
 
 
 def pending_peak(order: list[tuple[str, int]]) -> int:

@@ -225,7 +225,7 @@ def test_planner_models_zb_h1_bubble_and_memory():
     cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
     dev = device("a100-80gb")
     base = Candidate(pp=4, tp=1, dp=1, micro_batches=8, sequences=8, src_len=64, tgt_len=64, precision="bf16")
-    zb = Candidate(**{**base.__dict__, "schedule": "zb-h1", "zb_max_pending": None})  # the paper's order
+    zb = Candidate(**{**base.__dict__, "schedule": "zb-h1", "zb_max_pending": None})  # no bound: the tuned order
     t1, tz = step_time(cfg, base, dev, 0.4), step_time(cfg, zb, dev, 0.4)
     assert t1["bubble_fraction"] == pytest.approx(3 / 11)
     assert tz["bubble_fraction"] < t1["bubble_fraction"] / 2 and tz["total"] < t1["total"]
@@ -234,8 +234,9 @@ def test_planner_models_zb_h1_bubble_and_memory():
     for stage in range(4):
         extra = stage_memory(cfg, zb, stage, dev)["activations"] - stage_memory(cfg, base, stage, dev)["activations"]
         held = sum(weight_grad_bytes(cfg, k, 8, 64, 64, 2) for k in stage_kinds(cfg, 4)[stage])
-        # stage s holds s pending W; the first stage computes W inside its backward
-        assert extra == pytest.approx(stage * held)
+        # the engine picks the paper's order (s pending W on stage s) or the filled one (s + 1,
+        # the first stage too) from measured costs: planned for the larger
+        assert extra == pytest.approx((stage + 1) * held)
     # the default bound 0: 1F1B's memory on every stage, a bubble between the two
     zb0 = Candidate(**{**base.__dict__, "schedule": "zb-h1"})
     t0 = step_time(cfg, zb0, dev, 0.4)
