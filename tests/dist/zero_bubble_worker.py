@@ -12,6 +12,7 @@ zb_auto:         ZB-H1 without a bound on pending W (parallel.zb_pending_w: -1):
                  the others use the default bound 0 (W right after its own B).
 zb_filled:       as zb_auto, with W-cheap costs (F = B = 1, W = 0.4) given from the start, so
                  every step runs the filled order (the first stage defers W too).
+zb_filled_drop:  zb_filled with zb_drop's dropout and checkpointing (against 1f1b_drop).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
 writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
@@ -39,7 +40,7 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     cfg.run_dir = f"{cfg.run_dir}-{name}"
     fresh_run_dir(cfg.run_dir, data_dir)
     trainer = Trainer(cfg, max_steps=steps)
-    if name == "zb_filled":
+    if name.startswith("zb_filled"):
         trainer.engine.zb_cost = [{"F": 1.0, "B": 1.0, "W": 0.4}] * trainer.engine.num_stages
         trainer.engine.tune_step = 0
     result = record_steps(trainer, steps, None)
@@ -69,13 +70,13 @@ def main() -> None:
     subln.model.norm = "subln"
     scenarios = {"zb": (cfg, "zb-h1", 0), "1f1b": (cfg, "1f1b", 0), "zb_ac": (cfg, "zb-h1", 1),
                  "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0),
-                 "zb_auto": (cfg, "zb-h1", 0), "zb_filled": (cfg, "zb-h1", 0)}
+                 "zb_auto": (cfg, "zb-h1", 0), "zb_filled": (cfg, "zb-h1", 0), "zb_filled_drop": (drop, "zb-h1", 1)}
     results = {}
     for name in args.scenarios.split(","):
         base, schedule, interval = scenarios[name]
         scenario = copy.deepcopy(base)
         scenario.parallel.schedule = schedule
-        if name in ("zb_auto", "zb_filled"):
+        if name in ("zb_auto", "zb_filled", "zb_filled_drop"):
             scenario.parallel.zb_pending_w = -1  # the config key the engine reads
         scenario.parallel.activation_checkpoint_interval = interval
         results[name] = run(scenario, name, args.steps, args.out)
