@@ -34,10 +34,15 @@ class WeightGradStore:
     computed inside B: deferring them would gain the schedule almost no time and hold each
     one's input and output gradient until W (a LayerNorm's are as large as a linear's).
     `defer_cheap=True` defers those too.
+
+    `only` (ids of weights; None: every weight) limits deferral to those weights' dW, the others'
+    being computed inside B: `defer_share` picks a share of a stage's matmul work that way, so a
+    stage can defer part of its W for part of the memory.
     """
 
     def __init__(self, defer_cheap: bool = False) -> None:
         self.defer_cheap = defer_cheap
+        self.only: set[int] | None = None
         self._open: list[Callable[[], None]] | None = None
         self._groups: dict[int, list[Callable[[], None]]] = {}
 
@@ -53,11 +58,26 @@ class WeightGradStore:
         """Whether weight-gradient work of this kind is deferred now."""
         return self._open is not None and (self.defer_cheap or not cheap)
 
-    def defer(self, work: Callable[[], None], cheap: bool = False) -> None:
-        if self.deferring(cheap):
+    def defer(self, work: Callable[[], None], cheap: bool = False, weight: torch.Tensor | None = None) -> None:
+        if self.deferring(cheap) and (self.only is None or weight is None or id(weight) in self.only):
             self._open.append(work)
         else:
             work()
+
+    def defer_share(self, weights: list[torch.Tensor], share: float) -> None:
+        """Defer only the dW of the last of `weights` (the split matmul weights in forward order,
+        so the first in backward) that make up `share` of their elements (∝ their dW FLOPs);
+        share 1 defers all."""
+        if share >= 1.0:
+            self.only = None
+            return
+        target, taken, chosen = share * sum(w.numel() for w in weights), 0, set()
+        for w in reversed(weights):
+            if taken >= target:
+                break
+            chosen.add(id(w))
+            taken += w.numel()
+        self.only = chosen
 
     def run(self, micro_batch: int) -> None:
         group = self._groups.pop(micro_batch, [])
@@ -109,7 +129,7 @@ class _SplitLinear(torch.autograd.Function):
         gx = g.matmul(ctx.weight) if ctx.needs_input_grad[0] else None
         if ctx.bias is not None:
             ctx.store.defer(functools.partial(_bias_grad, g, ctx.bias), cheap=True)
-        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight))
+        ctx.store.defer(functools.partial(_linear_weight_grad, x, g, ctx.weight), weight=ctx.weight)
         return gx, None, None, None
 
 
@@ -312,3 +332,10 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
         raise ValueError(f"parallel.schedule=zb-h1 cannot split the backward of {missing[:5]} "
                          f"({len(missing)} parameters); use parallel.schedule: 1f1b")
     return count
+
+
+def matmul_weights(module: nn.Module) -> list[torch.Tensor]:
+    """The weights of the linears (plain and tensor-parallel) under `module`, in module order:
+    the dW that WeightGradStore defers by default, bar the tied output projection's."""
+    return [sub.weight for sub in module.modules()
+            if type(sub) is nn.Linear or {"ColumnParallelLinear", "RowParallelLinear"} & {c.__name__ for c in type(sub).__mro__}]

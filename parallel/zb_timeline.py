@@ -52,16 +52,18 @@ def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple
     return order
 
 
-def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None) -> list[tuple[str, int]]:
+def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None,
+                 lean: bool = False) -> list[tuple[str, int]]:
     """ZB-H1 with one more W pending per stage than the paper's order, used to fill waits.
 
     1F1B's order of F and B; the W of micro-batch j after the B of j + s + 1 on stage s (capped
     at `max_pending`), so the first stage defers W too. In the cooldown (no forward left), every
     stage but the last runs all its pending W before each B: that B waits for the next stage's
     gradient, and the W fill the wait where zb_h1_order's first stage idles (its last backward
-    then is B + one W). Best when W is cheaper than F and B."""
+    then is B + one W). Best when W is cheaper than F and B. `lean`: only the first stage keeps
+    one more than the paper's order (1 instead of 0), the others the paper's s."""
     p, m, s = stages, micro_batches, stage
-    delay = s + 1 if max_pending is None else min(s + 1, max_pending)
+    delay = (max(s, 1) if lean else s + 1) if max_pending is None else min(max(s, 1) if lean else s + 1, max_pending)
     warmup = min(p - 1 - s, m)
     order = [("F", k) for k in range(warmup)]
     forwards, weights = warmup, 0
@@ -81,26 +83,61 @@ def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int |
     return order
 
 
-def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
-                 max_pending: int | None = None) -> list[list[tuple[str, int]]]:
-    """The ZB-H1 orders of every stage that finish a step soonest at `cost` (per-stage F, B, W
-    seconds; unit costs by default): zb_h1_order (the paper's, stage s keeping s W pending) or
-    filled_order (s + 1, filling the cooldown's waits), both capped at `max_pending` (None: no
-    cap). Ties keep the paper's order, so at unit costs it is the paper's. Both are fixed
-    patterns: chosen on costs measured in one step they stay good when later steps' costs move by
-    ±10% (a list schedule fitted to the measured costs did not)."""
+FIRST_STAGE_SHARES = (0.125, 0.25, 0.5, 1.0)
+"""Shares of its W the first stage may defer in the lean filled order (the rest runs inside B)."""
+
+
+def schedule_candidates(stages: int, micro_batches: int,
+                        max_pending: int | None = None) -> list[tuple[list[list[tuple[str, int]]], float]]:
+    """(per-stage orders, share of the first stage's W it defers), by the memory they hold: the
+    paper's order; the lean filled order with the first stage deferring each of
+    FIRST_STAGE_SHARES of its W; the filled order. All capped at `max_pending`."""
     p, m = stages, micro_batches
-    candidates = candidate_orders(p, m, max_pending)
-
-    def span(orders: list[list[tuple[str, int]]]) -> float:
-        return max(ops[-1][1] for ops in simulate(p, m, cost, fixed(orders)))
-
-    return min(candidates, key=span)  # min keeps the first of equal spans
+    paper = [zb_h1_order(p, m, s, max_pending) for s in range(p)]
+    lean = [filled_order(p, m, s, max_pending, lean=True) for s in range(p)]
+    filled = [filled_order(p, m, s, max_pending) for s in range(p)]
+    return [(paper, 1.0)] + [(lean, share) for share in FIRST_STAGE_SHARES] + [(filled, 1.0)]
 
 
 def candidate_orders(stages: int, micro_batches: int, max_pending: int | None = None) -> list[list[list[tuple[str, int]]]]:
-    """The per-stage orders tuned_orders chooses from: the paper's, then the filled one."""
-    return [[order(stages, micro_batches, s, max_pending) for s in range(stages)] for order in (zb_h1_order, filled_order)]
+    """The distinct per-stage orders tuned_schedule chooses from."""
+    out: list[list[list[tuple[str, int]]]] = []
+    for orders, _ in schedule_candidates(stages, micro_batches, max_pending):
+        if orders not in out:
+            out.append(orders)
+    return out
+
+
+def with_first_stage_share(cost: dict[str, float] | list[dict[str, float]] | None, stages: int,
+                           share: float) -> list[dict[str, float]]:
+    """Per-stage costs when the first stage defers only `share` of its W (the rest runs in B)."""
+    costs = [{k: c[k] for k in ("F", "B", "W")} for c in _stage_costs(stages, cost)]
+    first = costs[0]
+    costs[0] = {"F": first["F"], "B": first["B"] + (1.0 - share) * first["W"], "W": share * first["W"]}
+    return costs
+
+
+def tuned_schedule(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+                   max_pending: int | None = None,
+                   tolerance: float = 0.005) -> tuple[list[list[tuple[str, int]]], float]:
+    """The ZB-H1 orders of every stage, and the share of its W the first stage defers, that
+    finish a step soonest at `cost` (per-stage F, B, W seconds; unit costs by default), among
+    schedule_candidates: the first of them (the least memory) within `tolerance` of the soonest.
+    At unit costs that is the paper's order. All candidates are fixed patterns: chosen on costs
+    measured in one step they stay good when later steps' costs move by ±10% (a list schedule
+    fitted to the measured costs did not)."""
+    p, m = stages, micro_batches
+    candidates = schedule_candidates(p, m, max_pending)
+    spans = [max(ops[-1][1] for ops in simulate(p, m, with_first_stage_share(cost, p, share), fixed(orders)))
+             for orders, share in candidates]
+    best = min(spans)
+    return next(choice for choice, span in zip(candidates, spans) if span <= best * (1.0 + tolerance))
+
+
+def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+                 max_pending: int | None = None) -> list[list[tuple[str, int]]]:
+    """tuned_schedule's orders."""
+    return tuned_schedule(stages, micro_batches, cost, max_pending)[0]
 
 
 def pending_peak(order: list[tuple[str, int]]) -> int:

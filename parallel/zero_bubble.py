@@ -19,12 +19,14 @@ Three pieces, applied from outside the model:
   global-norm clipping and the tied embedding see complete gradients).
 
 The order of F, B and W on each stage is tuned to the model (parallel/zb_timeline.py's
-`tuned_orders`): the first training step runs the paper's order; the engine times each stage's
+`tuned_schedule`): the first training step runs the paper's order; the engine times each stage's
 F, B and W in its second step, every rank takes the same per-stage means (one all-reduce), and
-from the third step on each stage runs the order that finishes soonest at those costs. Where W
-is cheaper than F and B (on CPUs W is 0.3–0.45 of F + B, not the paper's ½) that is the
-filled order (zb_timeline.filled_order): one more W pending per stage, the first stage too, run
-while a stage waits for a gradient in the cooldown.
+from the third step on each stage runs the candidate that finishes soonest at those costs, the
+one holding the least memory among those within 0.5% of it. Where W is cheaper than F and B (on
+CPUs W is 0.3–0.45 of F + B, not the paper's ½) that is a filled order (zb_timeline.filled_order):
+the first stage too keeps a W pending, and every stage but the last runs its pending W while it
+waits for a gradient in the cooldown; the first stage's pending W may be a share of its matmuls'
+dW (the last layers'), the rest computed inside B, which fills its wait for less memory.
 """
 from __future__ import annotations
 
@@ -39,8 +41,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from parallel import accelerator
 from parallel.ds_engine import TrainerEngine
-from parallel.weight_split import WeightGradStore, split_weight_gradients
-from parallel.zb_timeline import fixed, simulate, tuned_orders
+from parallel.weight_split import WeightGradStore, matmul_weights, split_weight_gradients
+from parallel.zb_timeline import fixed, simulate, tuned_schedule
 
 
 # ---------------------------------------------------------------- the schedule
@@ -62,7 +64,7 @@ def stage_instructions(stages: int, micro_batches: int, stage: int, orders: list
     transfers then happen in one global order, which cannot deadlock.
     """
     p, m, s = stages, micro_batches, stage
-    timeline = simulate(p, m, cost, fixed(orders or tuned_orders(p, m)))
+    timeline = simulate(p, m, cost, fixed(orders or tuned_schedule(p, m)[0]))
     events: list[tuple[tuple, list]] = []
     for start, end, kind, j in timeline[s]:
         if kind == "F":
@@ -122,12 +124,13 @@ class ZeroBubbleEngine(TrainerEngine):
         super().__init__(*args, **kwargs)
         self.weight_grads = WeightGradStore()
         self.split_modules = split_weight_gradients(self.module, self.weight_grads)
+        self._matmul_weights = matmul_weights(self.module)
         self._received_grads: dict[int, object] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._sends: list[tuple[object, torch.Tensor]] = []
         self.zb_cost: list[dict[str, float]] | None = None
         """Per-stage mean seconds of F, B and W per micro-batch measured at `tune_step` (None before)."""
-        self._orders: tuple[tuple, list[list[tuple[str, int]]]] | None = None
+        self._schedule: tuple[tuple, tuple[list[list[tuple[str, int]]], float]] | None = None
         self._timings: dict[str, float] | None = None
         self._split_backward = not self.is_first_stage()
         self._train_batches = 0
@@ -143,22 +146,35 @@ class ZeroBubbleEngine(TrainerEngine):
     """The training step (counted from this engine's first) whose F, B and W times choose the
     order; the first step warms up. 0: never tune (the paper's order capped at max_pending_w)."""
 
+    def _tuned(self) -> tuple[list[list[tuple[str, int]]], float]:
+        key = (self.num_stages, self.micro_batches, self.max_pending_w, repr(self.zb_cost))
+        if self._schedule is None or self._schedule[0] != key:
+            self._schedule = key, tuned_schedule(self.num_stages, self.micro_batches, self.zb_cost, self.max_pending_w)
+        return self._schedule[1]
+
     @property
     def zb_orders(self) -> list[list[tuple[str, int]]]:
         """Every stage's order of F, B and W for a training step (the same on every rank)."""
-        key = (self.num_stages, self.micro_batches, self.max_pending_w, repr(self.zb_cost))
-        if self._orders is None or self._orders[0] != key:
-            self._orders = key, tuned_orders(self.num_stages, self.micro_batches, self.zb_cost, self.max_pending_w)
-        return self._orders[1]
+        return self._tuned()[0]
+
+    @property
+    def zb_share(self) -> float:
+        """The share of its W (by matmul size) the first stage defers when its order defers any;
+        the rest it computes inside B."""
+        return self._tuned()[1]
 
     def _train_schedule(self):
-        orders = self.zb_orders
+        orders, share = self._tuned()
         mine = orders[self.stage_id]
         defers = any(kind == "B" and mine[i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(mine))
         # The first stage sends no gradient: split only when its order defers a W, or to time B and
         # W apart; otherwise its backward computes W inline (layer by layer, as 1F1B does) and
-        # never holds every layer's W tensors at once.
+        # never holds every layer's W tensors at once. When its order defers, only `share` of its
+        # W (the last layers' matmuls) waits; all of it while timing.
         self._split_backward = not self.is_first_stage() or defers or self._timings is not None
+        if self.is_first_stage():
+            timing = self._timings is not None
+            self.weight_grads.defer_share(self._matmul_weights, 1.0 if timing else share)
         return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
                                     orders=orders, cost=self.zb_cost)
 

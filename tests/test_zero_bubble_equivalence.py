@@ -108,16 +108,21 @@ def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
 
 def test_zb_h1_tunes_its_order_and_runs_the_filled_one(zb_run):
     """zb_auto measured F, B and W on every stage in step 2 (the same costs on every rank); zb_filled
-    ran the filled order, in which the first stage keeps a W pending and the others one more
-    than the paper's order lets them."""
-    from parallel.zb_timeline import filled_order, pending_peak, tuned_orders, zb_h1_order
+    ran the filled order its given costs choose: at pp = 2 the lean one with the first stage
+    deferring 1/8 of its W, at pp = 3 the full one (one more pending W per stage than the paper's)."""
+    from parallel.zb_timeline import filled_order, pending_peak, tuned_schedule
+    from tests.dist.zero_bubble_worker import FILLED_COSTS
 
     pp, result, _, _ = zb_run
     if "zb_filled" not in result:
         pytest.skip("run at tp=1")
     auto = result["zb_auto"]
     assert len(auto["zb_cost"]) == pp and all(c["F"] > 0 and c["B"] > 0 and c["W"] > 0 for c in auto["zb_cost"])
-    assert [list(map(tuple, o)) for o in auto["zb_orders"]] == tuned_orders(pp, 4, auto["zb_cost"])
-    filled = [list(map(tuple, o)) for o in result["zb_filled"]["zb_orders"]]
-    assert filled == [filled_order(pp, 4, s) for s in range(pp)] != [zb_h1_order(pp, 4, s) for s in range(pp)]
-    assert [pending_peak(o) for o in filled] == [s + 1 for s in range(pp)]
+    orders, share = tuned_schedule(pp, 4, auto["zb_cost"])
+    assert [list(map(tuple, o)) for o in auto["zb_orders"]] == orders and auto["zb_share"] == share
+    filled = result["zb_filled"]
+    assert [list(map(tuple, o)) for o in filled["zb_orders"]] == [filled_order(pp, 4, s, lean=pp == 2) for s in range(pp)]
+    assert filled["zb_share"] == (0.125 if pp == 2 else 1.0)
+    assert tuned_schedule(pp, 4, FILLED_COSTS[pp]) == ([filled_order(pp, 4, s, lean=pp == 2) for s in range(pp)],
+                                                       filled["zb_share"])
+    assert pending_peak(filled_order(pp, 4, 0, lean=pp == 2)) == 1  # the first stage defers
