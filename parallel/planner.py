@@ -235,19 +235,19 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     activations = in_flight * per_mb
     if layout.schedule == "zb-h1":
         # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
-        # order: `stage` of them, the last stage p − 1; the filled order: up to stage + 1, the
-        # first stage too). The engine picks its order from costs it measures, so the larger of
-        # the two is planned for. The micro-batch going through B turns its activations into its
-        # W tensors (the linear inputs are the same tensors), so B's peak is 1F1B's plus the
-        # pending ones. With checkpointing these are recomputed tensors. Measured (bench, pp = 2,
-        # default model, paper's order): the last stage's live tensors peak 1 micro-batch's W
-        # tensors above 1F1B's.
-        from parallel.zb_timeline import candidate_orders, pending_peak
+        # order: `stage` of them, the last stage p − 1; the filled orders one more on the first
+        # stage, or a share of one, and the full filled order one more on every stage). Planned:
+        # the order the engine would tune to at the FLOP model's costs (it tunes to measured
+        # ones, where a filled order holds up to one W set more per stage). The micro-batch going
+        # through B turns its activations into its W tensors (the linear inputs are the same
+        # tensors), so B's peak is 1F1B's plus the pending ones. With checkpointing these are
+        # recomputed tensors. Measured (bench, pp = 2, default model, paper's order): the last
+        # stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
+        from parallel.zb_timeline import pending_peak
 
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        pending = max(pending_peak(orders[stage])
-                      for orders in candidate_orders(layout.pp, layout.micro_batches, layout.zb_max_pending))
-        activations += pending * held
+        orders, share = zb_schedule(cfg, layout)
+        activations += pending_peak(orders[stage]) * (share if stage == 0 else 1.0) * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -334,12 +334,13 @@ def _zb_h1_pipeline(cfg: ModelConfig, layout: Candidate, compute: float, tp_comm
     (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
     W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
     Communication goes with F (activations) and B (gradients)."""
-    from parallel.zb_timeline import fixed, simulate
+    from parallel.zb_timeline import fixed, simulate, with_first_stage_share
 
     f_share, w_share = _zb_shares(cfg, layout)
     cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
     cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
-    timeline = simulate(layout.pp, layout.micro_batches, cost, fixed(zb_orders(cfg, layout)))
+    orders, share = zb_schedule(cfg, layout)
+    timeline = simulate(layout.pp, layout.micro_batches, with_first_stage_share(cost, layout.pp, share), fixed(orders))
     seconds = max(ops[-1][1] for ops in timeline)
     return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
 
@@ -359,14 +360,15 @@ def _zb_shares(cfg: ModelConfig, layout: Candidate) -> tuple[float, float]:
     return f_share, w_share
 
 
-def zb_orders(cfg: ModelConfig, layout: Candidate) -> list[list[tuple[str, int]]]:
-    """The ZB-H1 orders the engine would tune to at the FLOP model's F, B and W shares
-    (parallel/zb_timeline.py's tuned_orders; the choice depends only on their ratios)."""
-    from parallel.zb_timeline import tuned_orders
+def zb_schedule(cfg: ModelConfig, layout: Candidate) -> tuple[list[list[tuple[str, int]]], float]:
+    """The ZB-H1 orders (and the first stage's deferred share of W) the engine would tune to at
+    the FLOP model's F, B and W shares (parallel/zb_timeline.py's tuned_schedule; the choice
+    depends only on their ratios)."""
+    from parallel.zb_timeline import tuned_schedule
 
     f_share, w_share = _zb_shares(cfg, layout)
     cost = {"F": f_share, "B": 1.0 - f_share - w_share, "W": w_share}
-    return tuned_orders(layout.pp, layout.micro_batches, cost, layout.zb_max_pending)
+    return tuned_schedule(layout.pp, layout.micro_batches, cost, layout.zb_max_pending)
 
 
 @dataclass(frozen=True)
