@@ -77,7 +77,8 @@ def worker(args: argparse.Namespace) -> None:
             steps[name].append({"seconds": out["seconds"], "cpu_seconds": time.process_time() - start,
                                 "loss": out["loss"], "wall": dict(wall), "process_time": dict(cpu)})
     mine = {"rank": rank, "stage": trainers[0].engine.stage_id, "steps": steps,
-            "zb_orders": {name: getattr(trainer.engine, "zb_orders", None) for trainer, (name, _, _) in zip(trainers, variants)}}
+            "zb_orders": {name: getattr(trainer.engine, "zb_orders", None) for trainer, (name, _, _) in zip(trainers, variants)},
+            "zb_share": {name: getattr(trainer.engine, "zb_share", None) for trainer, (name, _, _) in zip(trainers, variants)}}
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
     if rank == 0:
