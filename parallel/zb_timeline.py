@@ -99,15 +99,6 @@ def schedule_candidates(stages: int, micro_batches: int,
     return [(paper, 1.0)] + [(lean, share) for share in FIRST_STAGE_SHARES] + [(filled, 1.0)]
 
 
-def candidate_orders(stages: int, micro_batches: int, max_pending: int | None = None) -> list[list[list[tuple[str, int]]]]:
-    """The distinct per-stage orders tuned_schedule chooses from."""
-    out: list[list[list[tuple[str, int]]]] = []
-    for orders, _ in schedule_candidates(stages, micro_batches, max_pending):
-        if orders not in out:
-            out.append(orders)
-    return out
-
-
 def with_first_stage_share(cost: dict[str, float] | list[dict[str, float]] | None, stages: int,
                            share: float) -> list[dict[str, float]]:
     """Per-stage costs when the first stage defers only `share` of its W (the rest runs in B)."""
