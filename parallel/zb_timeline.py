@@ -63,7 +63,9 @@ def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int |
     then is B + one W). Best when W is cheaper than F and B. `lean`: only the first stage keeps
     one more than the paper's order (1 instead of 0), the others the paper's s."""
     p, m, s = stages, micro_batches, stage
-    delay = (max(s, 1) if lean else s + 1) if max_pending is None else min(max(s, 1) if lean else s + 1, max_pending)
+    delay = max(s, 1) if lean else s + 1
+    if max_pending is not None:
+        delay = min(delay, max_pending)
     warmup = min(p - 1 - s, m)
     order = [("F", k) for k in range(warmup)]
     forwards, weights = warmup, 0

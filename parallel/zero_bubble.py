@@ -100,9 +100,12 @@ class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
                  orders: list[list[tuple[str, int]]] | None = None, cost: list[dict[str, float]] | None = None):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.orders, self.cost = orders, cost
+        self._steps: list[list[ds_schedule.PipeInstruction]] | None = None
 
     def steps(self):
-        yield from stage_instructions(self.stages, self.micro_batches, self.stage_id, self.orders, self.cost)
+        if self._steps is None:  # built once: the engine runs the same schedule every step until it retunes
+            self._steps = stage_instructions(self.stages, self.micro_batches, self.stage_id, self.orders, self.cost)
+        yield from self._steps
 
     def num_pipe_buffers(self) -> int:
         return max(self.micro_batches, 2)
@@ -130,9 +133,10 @@ class ZeroBubbleEngine(TrainerEngine):
         self._sends: list[tuple[object, torch.Tensor]] = []
         self.zb_cost: list[dict[str, float]] | None = None
         """Per-stage mean seconds of F, B and W per micro-batch measured at `tune_step` (None before)."""
-        self._schedule: tuple[tuple, tuple[list[list[tuple[str, int]]], float]] | None = None
+        self._schedule: tuple | None = None  # (key, orders, share, whether this stage defers W, schedule)
         self._timings: dict[str, float] | None = None
         self._split_backward = not self.is_first_stage()
+        self._deferred_share = 1.0  # what the store was last told to defer (the first stage)
         self._train_batches = 0
 
     max_pending_w: int | None = 0
@@ -146,37 +150,42 @@ class ZeroBubbleEngine(TrainerEngine):
     """The training step (counted from this engine's first) whose F, B and W times choose the
     order; the first step warms up. 0: never tune (the paper's order capped at max_pending_w)."""
 
-    def _tuned(self) -> tuple[list[list[tuple[str, int]]], float]:
-        key = (self.num_stages, self.micro_batches, self.max_pending_w, repr(self.zb_cost))
+    def _tuned(self) -> tuple:
+        """(key, orders, share, defers, schedule), rebuilt only when the costs, the bound or the
+        micro-batch count change."""
+        key = (self.micro_batches, self.max_pending_w, repr(self.zb_cost))
         if self._schedule is None or self._schedule[0] != key:
-            self._schedule = key, tuned_schedule(self.num_stages, self.micro_batches, self.zb_cost, self.max_pending_w)
-        return self._schedule[1]
+            orders, share = tuned_schedule(self.num_stages, self.micro_batches, self.zb_cost, self.max_pending_w)
+            mine = orders[self.stage_id]
+            defers = any(kind == "B" and mine[i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(mine))
+            schedule = ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages,
+                                            stage_id=self.stage_id, orders=orders, cost=self.zb_cost)
+            self._schedule = key, orders, share, defers, schedule
+        return self._schedule
 
     @property
     def zb_orders(self) -> list[list[tuple[str, int]]]:
         """Every stage's order of F, B and W for a training step (the same on every rank)."""
-        return self._tuned()[0]
+        return self._tuned()[1]
 
     @property
     def zb_share(self) -> float:
         """The share of its W (by matmul size) the first stage defers when its order defers any;
         the rest it computes inside B."""
-        return self._tuned()[1]
+        return self._tuned()[2]
 
     def _train_schedule(self):
-        orders, share = self._tuned()
-        mine = orders[self.stage_id]
-        defers = any(kind == "B" and mine[i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(mine))
+        _, _, share, defers, schedule = self._tuned()
+        timing = self._timings is not None
         # The first stage sends no gradient: split only when its order defers a W, or to time B and
         # W apart; otherwise its backward computes W inline (layer by layer, as 1F1B does) and
         # never holds every layer's W tensors at once. When its order defers, only `share` of its
         # W (the last layers' matmuls) waits; all of it while timing.
-        self._split_backward = not self.is_first_stage() or defers or self._timings is not None
-        if self.is_first_stage():
-            timing = self._timings is not None
-            self.weight_grads.defer_share(self._matmul_weights, 1.0 if timing else share)
-        return ZeroBubbleH1Schedule(micro_batches=self.micro_batches, stages=self.num_stages, stage_id=self.stage_id,
-                                    orders=orders, cost=self.zb_cost)
+        self._split_backward = not self.is_first_stage() or defers or timing
+        if self.is_first_stage() and (1.0 if timing else share) != self._deferred_share:
+            self._deferred_share = 1.0 if timing else share
+            self.weight_grads.defer_share(self._matmul_weights, self._deferred_share)
+        return schedule
 
     def train_batch(self, data_iter=None):
         self._train_batches += 1
