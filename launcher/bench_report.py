@@ -6,9 +6,12 @@ Definitions (the README repeats them):
   MFU, HFU          model FLOP/s (resp. hardware FLOP/s: padded shapes + recomputation) / peak
                     of all devices used (GPU: datasheet × GPUs; CPU: matmul probe of the cores
                     the ranks use, ranks × OMP threads)
-  bubble measured   per rank: 1 − (forward + backward (+ ZB-H1's weight-gradient) time) / (step
-                    time − gradient reduction − optimizer step), averaged over ranks and measured
-                    steps; theory (p−1)/(m+p−1), ZB-H1 (p−1)/(3m+p−1)
+  bubble measured   per rank: 1 − (forward + backward (+ ZB-H1's weight-gradient) time) / (the
+                    pipeline phase: from the step's first instruction to the end of the last
+                    forward, backward or weight pass on any rank), averaged over ranks and
+                    measured steps; theory (p−1)/(m+p−1), ZB-H1 (p−1)/(3m+p−1). A stage that
+                    finishes early waits for the others inside the next collective (DeepSpeed's
+                    tied-gradient all-reduce or the optimizer's norm); that wait is bubble too
   MFU by CPU time   CPU only: model FLOPs / (CPU seconds of all ranks × one-core peak); other
                     processes on a shared machine stretch wall time more than CPU time (threads
                     that spin-wait do count, so this is a lower bound on kernel efficiency)
@@ -171,15 +174,46 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
                      zero=layout.get("zero", 1))
 
 
+PIPELINE_OPS = ("ForwardPass", "BackwardPass", "WeightPass")
+AFTER_PIPELINE = ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
+
+
+def step_bubbles(ranks_steps: list[list[dict]]) -> list[list[float | None]]:
+    """The measured bubble of every rank in every step: 1 − its busy wall seconds (forward,
+    backward, weight passes) / the step's pipeline phase.
+
+    ranks_steps[r][k] is rank r's wall seconds by instruction in step k (`instrument` in
+    launcher/bench_worker.py), with the system clock at the step's first instruction and at the
+    end of the rank's last pipeline op ("clock_start", "clock_end"; one host's clock, or hosts
+    kept in step by NTP) and the seconds between them ("pipeline_end"). The phase runs from the
+    first rank's start to the last rank's end of pipeline work: a stage whose work ends earlier
+    is idle until then, although DeepSpeed puts that wait inside its next collective (in 1F1B the
+    last stage's cooldown sits in the tied-gradient all-reduce). Without clocks the ranks are
+    taken to start together (the previous step ended in collectives of all ranks): the latest
+    "pipeline_end". Results with neither (older benches) fall back to the step minus the
+    reductions and the optimizer step, which counts those waits as work.
+    """
+    steps = min(len(s) for s in ranks_steps)
+    out: list[list[float | None]] = [[] for _ in ranks_steps]
+    for k in range(steps):
+        starts, stops, ends = ([s[k].get(key) for s in ranks_steps] for key in ("clock_start", "clock_end", "pipeline_end"))
+        common = None
+        if all(t is not None for t in starts + stops):
+            common = max(stops) - min(starts)
+        elif all(e is not None for e in ends):
+            common = max(ends)
+        for r, s in enumerate(ranks_steps):
+            inst = s[k]
+            step = inst.get("train_batch", inst.get("seconds", 0.0))
+            phase = common if common is not None else step - sum(inst.get(x, 0.0) for x in AFTER_PIPELINE)
+            busy = sum(inst.get(x, 0.0) for x in PIPELINE_OPS)
+            out[r].append(1.0 - busy / phase if phase > 0 else None)
+    return out
+
+
 def measured_bubble(result: dict) -> float:
-    values = []
-    for rank in result["ranks"]:
-        for inst in rank["instructions"]:
-            phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
-            busy = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
-            if phase > 0:
-                values.append(1.0 - busy / phase)
-    return statistics.fmean(values)
+    values = step_bubbles([rank["instructions"] for rank in result["ranks"]])
+    return statistics.fmean(v for rank in values for v in rank if v is not None)
 
 
 def bubble_theory(layout: dict) -> float:
@@ -318,19 +352,18 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
 
 def schedule_stats(result: dict) -> dict:
     """Pipeline schedule comparison (1F1B vs ZB-H1), per stage: the measured bubble (idle
-    fraction of the step's pipeline phase, mean over steps and the stage's ranks), the busy CPU
+    fraction of the step's pipeline phase, `step_bubbles`; mean over steps and the stage's ranks), the busy CPU
     seconds of forward, backward and weight passes per step, and the peak bytes of live tensors
     over one step (`live_tensor_memory` in launcher/bench_worker.py)."""
     pp = result["layout"]["pp"]
     bubble, busy, live = [[] for _ in range(pp)], [[] for _ in range(pp)], [0.0] * pp
-    for rank in result["ranks"]:
+    per_rank = step_bubbles([rank["instructions"] for rank in result["ranks"]])
+    for rank, bubbles in zip(result["ranks"], per_rank):
         s = rank["stage"]
-        for inst in rank["instructions"]:
-            phase = inst["train_batch"] - sum(inst.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
-            work = sum(inst.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
-            if phase > 0:
-                bubble[s].append(1.0 - work / phase)
-                busy[s].append(work)
+        for inst, b in zip(rank["instructions"], bubbles):
+            if b is not None:
+                bubble[s].append(b)
+                busy[s].append(sum(inst.get(k, 0.0) for k in PIPELINE_OPS))
         if rank.get("live_memory"):
             live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
     return {"schedule": result["layout"].get("schedule", "1f1b"), "zero_stage": result["layout"].get("zero", 1),

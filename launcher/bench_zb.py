@@ -9,8 +9,7 @@ pair slow each other's caches). Here one launch per micro-batch count builds one
 per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 none), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
-the pipeline phase: 1 − (forward + backward + weight passes) / (step − reductions − optimizer),
-wall), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
+the pipeline phase, wall: launcher/bench_report.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
 schedule's dependency graph; launcher/bench_report.py `replayed_pipeline`). Memory is measured by
 `./run.sh bench train` (one layout per process; engines are never freed). Writes
 OUT/schedules.{md,json} (default runs/bench-schedules).
@@ -89,19 +88,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(result: dict) -> list[dict]:
     """One row per schedule: wall and CPU per step, measured bubble per stage, CPU replay."""
-    from launcher.bench_report import replayed_pipeline
+    from launcher.bench_report import replayed_pipeline, step_bubbles
 
     pp, m = result["pp"], result["micro_batches"]
     rows = []
     for name, schedule, pending in result["variants"]:
         per_rank = [(r["stage"], r["steps"][name]) for r in result["ranks"]]
         bubble, cpu = [[] for _ in range(pp)], [[] for _ in range(pp)]
-        for stage, steps in per_rank:
-            for step in steps:
-                wall = step["wall"]
-                phase = step["seconds"] - sum(wall.get(k, 0.0) for k in ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads"))
-                busy = sum(wall.get(k, 0.0) for k in ("ForwardPass", "BackwardPass", "WeightPass"))
-                bubble[stage].append(1.0 - busy / phase)
+        walls = step_bubbles([[{**step["wall"], "seconds": step["seconds"]} for step in steps] for _, steps in per_rank])
+        for (stage, steps), bubbles in zip(per_rank, walls):
+            for step, b in zip(steps, bubbles):
+                if b is not None:
+                    bubble[stage].append(b)
                 cpu[stage].append(step["cpu_seconds"])
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
                   "zb_pending_w": pending}
