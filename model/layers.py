@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.dropout import Dropout
 from model.norms import StackNorm
 
 
@@ -49,7 +50,7 @@ class SharedEmbedding(nn.Module):
         self.pad_id = cfg.pad_id
         self.scale = math.sqrt(cfg.d_model)
         self.register_buffer("positions", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         length = tokens.size(1)
@@ -127,7 +128,7 @@ class FeedForward(nn.Module):
         xavier_normal_linear(self.fc1, norm.gain("fc1"))
         xavier_normal_linear(self.fc2, norm.gain("fc2"))
         self.act = F.relu if cfg.activation == "relu" else F.gelu
-        self.dropout = nn.Dropout(cfg.activation_dropout)
+        self.dropout = Dropout(cfg.activation_dropout)
         # Sub-LN's LayerNorm before the second linear (eq. 8); Identity for other strategies.
         self.inner_norm = norm.inner_norm("ffn", cfg.ffn_dim, cfg.layernorm_eps)
 

@@ -13,6 +13,16 @@ sys.path.insert(0, ROOT)
 if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the accelerator to DeepSpeed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the CPU dropout kernel once (model/dropout.py, ~30 s on a fresh machine) before any
+    test launches ranks that would each wait for the build."""
+    from model.dropout import kernels
+
+    kernels()
+
+
 # A small corpus from the bundled gettext catalogs: two languages, both directions.
 TINY_DATA = {"languages": ["de", "fr"], "vocab_size": 600, "max_tokens": 256,
              "max_source_len": 48, "max_target_len": 48, "dev_size": 40, "test_size": 40}

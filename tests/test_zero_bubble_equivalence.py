@@ -103,7 +103,11 @@ def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
         assert zb["loss"][0] != pytest.approx(ref["loss"][0], rel=1e-4)  # dropout was active
         assert zb["loss"] == pytest.approx(base["loss"], rel=1e-5)
         assert zb["grad_norm"] == pytest.approx(base["grad_norm"], rel=1e-5)
-        _close_params(params[name], params["1f1b_drop"])
+        # ZB-H1 computes dW in its own matmul, 1F1B inside autograd's: rounding differences that
+        # Adam turns into moves of up to lr for elements whose gradient is rounding noise
+        # (tests/reference.py `assert_parameters_equal`, same bound; a wrong mask changes the
+        # losses above). Measured: ≤ 9e-6 at pp = 3 with the hashed CPU dropout's masks.
+        _close_params(params[name], params["1f1b_drop"], atol=5e-5)
 
 
 def test_zb_h1_tunes_its_order_and_runs_the_filled_one(zb_run):

@@ -1,0 +1,116 @@
+// Dropout for CPU tensors whose mask is a hash of (element index, seed) instead of one draw of
+// torch's generator per element: torch's CPU bernoulli_ costs ~7.5 ns per element on the 2-core
+// EPYC this project is developed on (a fifth of a 100L-100L d=64 training step), this ~0.6 ns.
+//
+// keep(i) = H(seed, i) >= round(p · 2^32), H(seed, i) = h(h(lo(i) ^ lo(seed)) + (hi(seed) ^ hi(i))),
+// h the 32-bit integer hash x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b;
+// x ^= x >> 16 (constants from C. Wellons' "hash prospector"). Kept elements are scaled by
+// 1/(1 − p), as torch's dropout does. The seed is one 64-bit draw of torch's default CPU
+// generator per call, so torch.manual_seed, get/set_rng_state, DeepSpeed's model-parallel RNG
+// tracker and activation checkpointing's RNG restore govern the masks as they govern torch's.
+// The backward recomputes the mask from the seed: nothing is stored.
+#include <torch/extension.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+
+namespace {
+
+inline uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+struct Mask {
+  uint32_t k0, k1, threshold;
+  Mask(double p, int64_t seed)
+      : k0(static_cast<uint32_t>(static_cast<uint64_t>(seed))),
+        k1(static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32)) {
+    const double t = std::nearbyint(p * 4294967296.0);
+    threshold = t >= 4294967295.0 ? 4294967295U : static_cast<uint32_t>(t);
+  }
+  inline bool keep(int64_t i) const {
+    const uint64_t u = static_cast<uint64_t>(i);
+    return mix(mix(static_cast<uint32_t>(u) ^ k0) + (k1 ^ static_cast<uint32_t>(u >> 32))) >= threshold;
+  }
+};
+
+constexpr int64_t kGrain = 32768;
+
+}  // namespace
+
+int64_t draw_seed() {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return static_cast<int64_t>(at::check_generator<at::CPUGeneratorImpl>(generator)->random64());
+}
+
+// alpha · x + dropout(y); without x: dropout(y).
+torch::Tensor dropout_add(const torch::Tensor& y_in, const c10::optional<torch::Tensor>& x_in, double alpha,
+                          double p, int64_t seed) {
+  const torch::Tensor y = y_in.contiguous();
+  const bool has_x = x_in.has_value() && x_in->defined();
+  torch::Tensor x;
+  if (has_x) {
+    x = x_in->contiguous();
+    TORCH_CHECK(x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type(), "dropout_add: x and y differ");
+  }
+  torch::Tensor out = torch::empty_like(y, at::MemoryFormat::Contiguous);
+  const Mask mask(p, seed);
+  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "dropout_add", [&] {
+    const scalar_t scale = static_cast<scalar_t>(1.0 / (1.0 - p));
+    const scalar_t a = static_cast<scalar_t>(alpha);
+    const scalar_t* yp = y.data_ptr<scalar_t>();
+    const scalar_t* xp = has_x ? x.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, y.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (xp != nullptr) {
+        for (int64_t i = begin; i < end; ++i) op[i] = a * xp[i] + (mask.keep(i) ? scale : scalar_t(0)) * yp[i];
+      } else {
+        for (int64_t i = begin; i < end; ++i) op[i] = (mask.keep(i) ? scale : scalar_t(0)) * yp[i];
+      }
+    });
+  });
+  return out;
+}
+
+// Gradients of alpha · x + dropout(y) for the output gradient g: (alpha · g if with_x, mask · g).
+std::vector<torch::Tensor> dropout_add_backward(const torch::Tensor& g_in, double alpha, double p, int64_t seed,
+                                                bool with_x) {
+  const torch::Tensor g = g_in.contiguous();
+  torch::Tensor gy = torch::empty_like(g, at::MemoryFormat::Contiguous);
+  torch::Tensor gx = with_x ? torch::empty_like(g, at::MemoryFormat::Contiguous) : torch::Tensor();
+  const Mask mask(p, seed);
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "dropout_add_backward", [&] {
+    const scalar_t scale = static_cast<scalar_t>(1.0 / (1.0 - p));
+    const scalar_t a = static_cast<scalar_t>(alpha);
+    const scalar_t* gp = g.data_ptr<scalar_t>();
+    scalar_t* yp = gy.data_ptr<scalar_t>();
+    scalar_t* xp = with_x ? gx.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, g.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      if (xp != nullptr) {
+        for (int64_t i = begin; i < end; ++i) {
+          yp[i] = (mask.keep(i) ? scale : scalar_t(0)) * gp[i];
+          xp[i] = a * gp[i];
+        }
+      } else {
+        for (int64_t i = begin; i < end; ++i) yp[i] = (mask.keep(i) ? scale : scalar_t(0)) * gp[i];
+      }
+    });
+  });
+  return {gx, gy};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("draw_seed", &draw_seed, "one 64-bit draw of torch's default CPU generator");
+  m.def("dropout_add", &dropout_add, "alpha * x + dropout(y) (x optional)");
+  m.def("dropout_add_backward", &dropout_add_backward, "gradients of alpha * x + dropout(y)");
+}
