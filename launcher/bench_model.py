@@ -41,7 +41,7 @@ def _step(model, optimizer, batch, cfg) -> float:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def compare(cfg, batch: dict, warmup: int, steps: int) -> dict:
