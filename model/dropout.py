@@ -20,6 +20,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,9 @@ def kernels():
         try:
             from torch.utils.cpp_extension import load
 
+            here = os.path.dirname(sys.executable)  # the virtualenv's ninja (a DeepSpeed requirement)
+            if shutil.which("ninja") is None and shutil.which("ninja", path=here):
+                os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
             log.info("loading the CPU dropout kernel (compiled once per CPU model, ~30 s): %s", SOURCE)
             _kernels = load(name=f"deepnet_dropout_{_cpu_model()}", sources=[SOURCE],
                             extra_cflags=["-O3", "-march=native"], verbose=False)
