@@ -67,11 +67,19 @@ def kernels():
             if shutil.which("ninja") is None and shutil.which("ninja", path=here):
                 os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
             log.info("loading the CPU dropout kernel (compiled once per CPU model, ~30 s): %s", SOURCE)
-            _kernels = load(name=f"deepnet_dropout_{_cpu_model()}", sources=[SOURCE],
-                            extra_cflags=["-O3", "-march=native"], verbose=False)
+            builder = logging.getLogger("torch.utils.cpp_extension")  # its compiler banner: ours says it
+            level = builder.level
+            builder.setLevel(logging.ERROR)
+            try:
+                _kernels = load(name=f"deepnet_dropout_{_cpu_model()}", sources=[SOURCE],
+                                extra_cflags=["-O3", "-march=native"], verbose=False)
+            finally:
+                builder.setLevel(level)
         except Exception as error:  # no compiler, no ninja, a read-only cache: torch's dropout
-            _failed = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
-            log.warning("fast CPU dropout unavailable (%s); using torch's dropout", _failed)
+            lines = str(error).strip().splitlines()
+            _failed = f"{type(error).__name__}: {lines[-1] if lines else ''}"
+            log.warning("fast CPU dropout unavailable: could not build %s with g++ and ninja (%s); using "
+                        "torch's dropout (same statistics, slower on CPUs)", SOURCE, _failed)
     return _kernels
 
 
