@@ -8,12 +8,12 @@ Per named shape (configs/<name>.yaml's model, its dropout as configured): the pl
 `EncoderDecoder` trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens
 (forward, label-smoothed loss, backward, global-norm clipping at 1, fused AdamW), fp32 on
 `--threads` threads. Two models with the same weights, one per variant ("torch": torch's dropout
-and α·x + y, the model's ops before the kernel; "hashed": the kernel, α·x + dropout(y) in one
-pass), take steps in turn (A, B, A, B, ...), so both see the same load; CPU seconds per step
-(`time.process_time`, steadier than wall time on a shared machine), median over the measured
-steps, target tokens per CPU-second and the speed-up. Then the same at dropout 0 (every dropout
-off: the variants differ only in the residual's rounding), with the largest relative difference
-of their losses over the measured steps. Writes OUT/model.{md,json} (default runs/bench-model).
+and α·x + dropout(y) as separate ops, the model before the kernel; "hashed": the kernel, α·x +
+dropout(y) in one pass), take steps in turn (A, B, A, B, ...), so both see the same load; CPU
+seconds per step (`time.process_time`, steadier than wall time on a shared machine), median over
+the measured steps, target tokens per CPU-second and the speed-up. Then the same at dropout 0
+(every dropout off: both variants run the same ops, so their losses must be equal), with the
+largest relative difference of their losses over the measured steps. Writes OUT/model.{md,json} (default runs/bench-model).
 """
 from __future__ import annotations
 

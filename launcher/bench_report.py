@@ -27,7 +27,6 @@ phase's allocator settings cost deep-narrow models up to 80% more CPU time.
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import os
 import statistics
@@ -40,8 +39,8 @@ from parallel.config import ParallelConfig
 from parallel.planner import Candidate
 from parallel import accelerator
 from parallel.accelerator import HOST
+from launcher.bench_pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
 
-MB = 2**20
 # Layout keys of a benchmark grid → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
@@ -174,56 +173,6 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
                      zero=layout.get("zero", 1))
 
 
-PIPELINE_OPS = ("ForwardPass", "BackwardPass", "WeightPass")
-AFTER_PIPELINE = ("OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
-
-
-def step_bubbles(ranks_steps: list[list[dict]]) -> list[list[float | None]]:
-    """The measured bubble of every rank in every step: 1 − its busy wall seconds (forward,
-    backward, weight passes) / the step's pipeline phase.
-
-    ranks_steps[r][k] is rank r's wall seconds by instruction in step k (`instrument` in
-    launcher/bench_worker.py), with the system clock at the step's first instruction and at the
-    end of the rank's last pipeline op ("clock_start", "clock_end"; one host's clock, or hosts
-    kept in step by NTP) and the seconds between them ("pipeline_end"). The phase runs from the
-    first rank's start to the last rank's end of pipeline work: a stage whose work ends earlier
-    is idle until then, although DeepSpeed puts that wait inside its next collective (in 1F1B the
-    last stage's cooldown sits in the tied-gradient all-reduce). Without clocks the ranks are
-    taken to start together (the previous step ended in collectives of all ranks): the latest
-    "pipeline_end". Results with neither (older benches) fall back to the step minus the
-    reductions and the optimizer step, which counts those waits as work.
-    """
-    steps = min(len(s) for s in ranks_steps)
-    out: list[list[float | None]] = [[] for _ in ranks_steps]
-    for k in range(steps):
-        starts, stops, ends = ([s[k].get(key) for s in ranks_steps] for key in ("clock_start", "clock_end", "pipeline_end"))
-        common = None
-        if all(t is not None for t in starts + stops):
-            common = max(stops) - min(starts)
-        elif all(e is not None for e in ends):
-            common = max(ends)
-        for r, s in enumerate(ranks_steps):
-            inst = s[k]
-            step = inst.get("train_batch", inst.get("seconds", 0.0))
-            phase = common if common is not None else step - sum(inst.get(x, 0.0) for x in AFTER_PIPELINE)
-            busy = sum(inst.get(x, 0.0) for x in PIPELINE_OPS)
-            out[r].append(1.0 - busy / phase if phase > 0 else None)
-    return out
-
-
-def measured_bubble(result: dict) -> float:
-    values = step_bubbles([rank["instructions"] for rank in result["ranks"]])
-    return statistics.fmean(v for rank in values for v in rank if v is not None)
-
-
-def bubble_theory(layout: dict) -> float:
-    """1F1B: (p−1)/(m+p−1); ZB-H1 with F, B and W of equal cost: (p−1)/(3m+p−1)."""
-    pp, m = layout["pp"], layout["micro_batches"]
-    if layout.get("schedule", "1f1b") == "zb-h1":
-        return (pp - 1) / (3 * m + pp - 1)
-    return (pp - 1) / (m + pp - 1)
-
-
 CPU_ASSUMED_MFU = 0.5
 """Kernel efficiency the planner assumes for its CPU step-time estimate; the estimate is meant for
 ranking layouts (tests/test_planner.py), the absolute value depends on this guess."""
@@ -348,84 +297,6 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                   f"{_pct(p['attention'])}, other {_pct(p['other'])} of operator self time; top operators: "
                   + ", ".join(f"{name} {_pct(share)}" for name, share in p["top"]) + "."]
     return "\n".join(lines) + "\n"
-
-
-def schedule_stats(result: dict) -> dict:
-    """Pipeline schedule comparison (1F1B vs ZB-H1), per stage: the measured bubble (idle
-    fraction of the step's pipeline phase, `step_bubbles`; mean over steps and the stage's ranks), the busy CPU
-    seconds of forward, backward and weight passes per step, and the peak bytes of live tensors
-    over one step (`live_tensor_memory` in launcher/bench_worker.py)."""
-    pp = result["layout"]["pp"]
-    bubble, busy, live = [[] for _ in range(pp)], [[] for _ in range(pp)], [0.0] * pp
-    per_rank = step_bubbles([rank["instructions"] for rank in result["ranks"]])
-    for rank, bubbles in zip(result["ranks"], per_rank):
-        s = rank["stage"]
-        for inst, b in zip(rank["instructions"], bubbles):
-            if b is not None:
-                bubble[s].append(b)
-                busy[s].append(sum(inst.get(k, 0.0) for k in PIPELINE_OPS))
-        if rank.get("live_memory"):
-            live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
-    return {"schedule": result["layout"].get("schedule", "1f1b"), "zero_stage": result["layout"].get("zero", 1),
-            "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
-            "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
-            "stage_live_peak_mb": live, **replayed_pipeline(result)}
-
-
-def replayed_pipeline(result: dict) -> dict:
-    """The pipeline phase replayed from CPU time: each stage's mean CPU seconds per micro-batch of
-    forward, backward and weight pass (its ranks' mean over the measured steps) put on the
-    schedule's dependency graph (parallel/zb_timeline.py, transfers free). Other processes on a
-    shared machine stretch wall time and so the measured bubble; they barely change CPU time,
-    so this is the schedule's own bubble and step time at the measured op costs.
-
-    1F1B's backward is one op (B + W); ZB-H1 replays the orders its engine ran (`zb_orders` of a
-    rank, tuned to the costs it measured), where a first stage whose W follows each B at once
-    computes W inside B."""
-    from parallel.zb_timeline import ORDERS, fixed, simulate, zb_h1_order
-
-    layout = result["layout"]
-    pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
-    per_stage: list[list[dict]] = [[] for _ in range(pp)]
-    for rank in result["ranks"]:
-        per_stage[rank["stage"]].extend(rank.get("instructions_cpu") or [])
-    if not all(per_stage):
-        return {"replay_step_s": None, "replay_bubble": None}
-    costs = []
-    for steps in per_stage:
-        f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
-                   for k in ("ForwardPass", "BackwardPass", "WeightPass"))
-        costs.append({"F": f, "B": b, "W": w, "BW": b + w})
-    order = ORDERS[schedule]
-    ran = next((rank["zb_orders"] for rank in result["ranks"] if rank.get("zb_orders")), None)
-    if schedule == "zb-h1" and ran:
-        order = fixed(ran)
-    elif schedule == "zb-h1":  # no orders recorded: parallel.zb_pending_w's untuned order
-        order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
-    timeline = simulate(pp, m, costs, order)
-    span = max(ops[-1][1] for ops in timeline)
-    idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
-    return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs}
-
-
-def schedule_table(rows: list[dict]) -> list[str]:
-    """1F1B and ZB-H1 side by side, per stage (only when the grid has more than one schedule)."""
-    if len({r.get("schedule", "1f1b") for r in rows}) < 2:
-        return []
-    lines = ["", "Pipeline schedules per stage: measured bubble (idle fraction of the pipeline phase), busy seconds "
-             "(forward + backward + weight passes, wall) per step, peak RSS above the baseline, peak of live tensors "
-             "over one step (torch.profiler allocation tracking); the CPU replay puts each stage's mean CPU seconds of "
-             "F, B and W on the schedule's dependency graph (load-independent).", "",
-             "| layout | schedule | step s (median) | bubble per stage | busy s per stage | CPU replay: pipeline s, bubble "
-             "| peak RSS MB per stage | live tensors MB per stage |", "|---" * 8 + "|"]
-    for r in rows:
-        def cells(values, fmt):
-            return " / ".join("n/a" if v is None else format(v, fmt) for v in values)
-        lines.append(f"| {r['layout']} | {r.get('schedule', '1f1b')} | {r['step_s_median']:.2f} "
-                     f"| {cells(r['stage_bubble'], '.2f')} | {cells(r['stage_busy_s'], '.2f')} "
-                     f"| {cells([r['replay_step_s']], '.3f')}, {cells([r['replay_bubble']], '.3f')} "
-                     f"| {cells(r['stage_peak_mb'], '.0f')} | {cells(r['stage_live_peak_mb'], '.0f')} |")
-    return lines
 
 
 def _ratio(x: float | None) -> str:

@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil
 import torch
 
-from launcher.bench_report import LAYOUT_KEYS, PIPELINE_OPS
+from launcher.bench_pipeline import PIPELINE_OPS
+from launcher.bench_report import LAYOUT_KEYS
 from launcher.config import RunConfig, load_config
 from parallel import accelerator
 
@@ -101,9 +102,9 @@ def peak_memory() -> int:
 
 def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
     """Time every pipeline instruction the engine executes: (wall seconds, CPU seconds) by name,
-    and for the measured bubble's phase (`step_bubbles`) wall["pipeline_end"], seconds from the
-    step's first instruction to the end of its last forward, backward or weight pass, and the
-    system clock (`time.time`) at both, wall["clock_start"] and wall["clock_end"].
+    and for the measured bubble's phase (launcher/bench_pipeline.py `step_bubbles`) the system
+    clock (`time.time`) at the step's first instruction and at the end of its last forward,
+    backward or weight pass: wall["clock_start"], wall["clock_end"].
 
     The engine looks its handlers up in `self._INSTRUCTION_MAP`; an instance attribute with
     timed wrappers shadows the class table without changing what runs.
@@ -111,22 +112,18 @@ def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
     wall: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
     synchronize = accelerator.synchronize
-    origin = [0.0]  # the step's first instruction start (the caller clears `wall` per step)
 
     def timed(name, handler):
         def run(self, *args, **kwargs):
             synchronize()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            if not wall:
-                origin[0] = start
+            if not wall:  # the step's first instruction (the caller clears `wall` per step)
                 wall["clock_start"] = time.time()
+            start, start_cpu = time.perf_counter(), time.process_time()
             result = handler(self, *args, **kwargs)
             synchronize()
-            end = time.perf_counter()
-            wall[name] += end - start
+            wall[name] += time.perf_counter() - start
             cpu[name] += time.process_time() - start_cpu
             if name in PIPELINE_OPS:
-                wall["pipeline_end"] = end - origin[0]
                 wall["clock_end"] = time.time()
             return result
         return run

@@ -9,8 +9,8 @@ pair slow each other's caches). Here one launch per micro-batch count builds one
 per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 none), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
-the pipeline phase, wall: launcher/bench_report.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
-schedule's dependency graph; launcher/bench_report.py `replayed_pipeline`). Memory is measured by
+the pipeline phase, wall: launcher/bench_pipeline.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
+schedule's dependency graph; launcher/bench_pipeline.py `replayed_pipeline`). Memory is measured by
 `./run.sh bench train` (one layout per process; engines are never freed). Writes
 OUT/schedules.{md,json} (default runs/bench-schedules).
 """
@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(result: dict) -> list[dict]:
     """One row per schedule: wall and CPU per step, measured bubble per stage, CPU replay."""
-    from launcher.bench_report import replayed_pipeline, step_bubbles
+    from launcher.bench_pipeline import replayed_pipeline, step_bubbles
 
     pp, m = result["pp"], result["micro_batches"]
     rows = []

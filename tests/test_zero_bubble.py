@@ -344,7 +344,7 @@ def test_measured_bubble_counts_the_wait_inside_the_closing_collectives(schedule
     """`bench train`'s measured bubble, on instruction timings laid out as DeepSpeed's engine
     takes them (a stage that finishes its pipeline work early waits inside the tied-gradient
     all-reduce or the optimizer's norm), equals the schedule's idle fraction."""
-    from launcher.bench_report import step_bubbles
+    from launcher.bench_pipeline import step_bubbles
     from parallel.zb_timeline import ORDERS
 
     cost = {"F": 1.0, "B": 1.1, "W": 0.9, "BW": 2.0}
@@ -353,18 +353,19 @@ def test_measured_bubble_counts_the_wait_inside_the_closing_collectives(schedule
     names = {"F": "ForwardPass", "B": "BackwardPass", "BW": "BackwardPass", "W": "WeightPass"}
     ranks = []
     for s, ops in enumerate(timeline):
-        inst = {"ReduceGrads": 0.05, "ReduceTiedGrads": 0.01, "OptimizerStep": 0.2, "pipeline_end": ops[-1][1]}
+        inst = {"ReduceGrads": 0.05, "ReduceTiedGrads": 0.01, "OptimizerStep": 0.2}
         inst["train_batch"] = makespan + sum(inst[k] for k in ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep"))
         for start, end, kind, _ in ops:
             inst[names[kind]] = inst.get(names[kind], 0.0) + end - start
         # idle from its last op to the end of the phase: inside the collective that closes it
         inst["ReduceTiedGrads" if s in (0, p - 1) else "OptimizerStep"] += makespan - ops[-1][1]
         clocks = {"clock_start": 5000.0, "clock_end": 5000.0 + ops[-1][1]}  # the system clock, one host
-        ranks.append([{**inst, **clocks}, inst])  # two steps: with clocks, and with offsets only
+        later = {"clock_start": 5100.0, "clock_end": 5100.0 + ops[-1][1]}
+        ranks.append([{**inst, **clocks}, {**inst, **later}, inst])  # two steps with clocks, one without
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / makespan for ops in timeline]
-    for s, bubbles in enumerate(step_bubbles(ranks)):
+    for s, bubbles in enumerate(step_bubbles([r[:2] for r in ranks])):
         assert bubbles == pytest.approx([idle[s]] * 2)
     if schedule == "1f1b":
         assert idle[p - 1] > 0.5 * (p - 1) / (m + p - 1)  # the last stage's cooldown
-    legacy = step_bubbles([[{k: v for k, v in inst.items() if k != "pipeline_end"} for inst in r[1:]] for r in ranks])
+    legacy = step_bubbles([r[2:] for r in ranks])
     assert legacy[p - 1][0] < idle[p - 1] - 0.01 or schedule == "zb-h1"  # the old measure hid that wait

@@ -1,6 +1,6 @@
 // Dropout for CPU tensors whose mask is a hash of (element index, seed) instead of one draw of
 // torch's generator per element: torch's CPU bernoulli_ costs ~7.5 ns per element on the 2-core
-// EPYC this project is developed on (a fifth of a 100L-100L d=64 training step), this ~0.6 ns.
+// EPYC this project is developed on (a fifth of a 100L-100L d=64 training step), this ~0.7 ns.
 //
 // keep(i) = H(seed, i) >= round(p · 2^32), H(seed, i) = h(h(lo(i) ^ lo(seed)) + (hi(seed) ^ hi(i))),
 // h the 32-bit integer hash x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b;
