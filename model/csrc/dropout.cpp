@@ -53,6 +53,36 @@ int64_t draw_seed() {
   return static_cast<int64_t>(at::check_generator<at::CPUGeneratorImpl>(generator)->random64());
 }
 
+// The two loops, out of line with unaliased pointers and the mask in registers: inlined into
+// at::parallel_for's lambda, GCC left the forward loop scalar (4.4 ns per element, 0.7 here).
+
+// out[i] = a · x[i] + mask(i) · scale · y[i] (x null: without the first term), i in [begin, end).
+template <typename T>
+__attribute__((noinline)) void masked_add(const T* __restrict__ x, const T* __restrict__ y, T* __restrict__ out,
+                                          int64_t begin, int64_t end, T a, T scale, const Mask& shared) {
+  const Mask mask = shared;
+  if (x != nullptr) {
+    for (int64_t i = begin; i < end; ++i) out[i] = a * x[i] + (mask.keep(i) ? scale : T(0)) * y[i];
+  } else {
+    for (int64_t i = begin; i < end; ++i) out[i] = (mask.keep(i) ? scale : T(0)) * y[i];
+  }
+}
+
+// gy[i] = mask(i) · scale · g[i] and (gx not null) gx[i] = a · g[i], i in [begin, end).
+template <typename T>
+__attribute__((noinline)) void masked_grads(const T* __restrict__ g, T* __restrict__ gy, T* __restrict__ gx,
+                                            int64_t begin, int64_t end, T a, T scale, const Mask& shared) {
+  const Mask mask = shared;
+  if (gx != nullptr) {
+    for (int64_t i = begin; i < end; ++i) {
+      gy[i] = (mask.keep(i) ? scale : T(0)) * g[i];
+      gx[i] = a * g[i];
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) gy[i] = (mask.keep(i) ? scale : T(0)) * g[i];
+  }
+}
+
 // alpha · x + dropout(y); without x: dropout(y).
 torch::Tensor dropout_add(const torch::Tensor& y_in, const c10::optional<torch::Tensor>& x_in, double alpha,
                           double p, int64_t seed) {
@@ -72,11 +102,7 @@ torch::Tensor dropout_add(const torch::Tensor& y_in, const c10::optional<torch::
     const scalar_t* xp = has_x ? x.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, y.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      if (xp != nullptr) {
-        for (int64_t i = begin; i < end; ++i) op[i] = a * xp[i] + (mask.keep(i) ? scale : scalar_t(0)) * yp[i];
-      } else {
-        for (int64_t i = begin; i < end; ++i) op[i] = (mask.keep(i) ? scale : scalar_t(0)) * yp[i];
-      }
+      masked_add(xp, yp, op, begin, end, a, scale, mask);
     });
   });
   return out;
@@ -96,14 +122,7 @@ std::vector<torch::Tensor> dropout_add_backward(const torch::Tensor& g_in, doubl
     scalar_t* yp = gy.data_ptr<scalar_t>();
     scalar_t* xp = with_x ? gx.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, g.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      if (xp != nullptr) {
-        for (int64_t i = begin; i < end; ++i) {
-          yp[i] = (mask.keep(i) ? scale : scalar_t(0)) * gp[i];
-          xp[i] = a * gp[i];
-        }
-      } else {
-        for (int64_t i = begin; i < end; ++i) yp[i] = (mask.keep(i) ? scale : scalar_t(0)) * gp[i];
-      }
+      masked_grads(gp, yp, xp, begin, end, a, scale, mask);
     });
   });
   return {gx, gy};
