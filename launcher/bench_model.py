@@ -2,7 +2,7 @@
 hashed CPU dropout (model/dropout.py), steps interleaved in one process.
 
     ./run.sh bench model [--model tiny-100-100,base-6-6] [--batch 32 --src 32 --tgt 32]
-                         [--warmup 2] [--steps 8] [--threads 1] [--out DIR]
+                         [--warmup 2] [--steps 8] [--threads 1] [--against REV] [--out DIR]
 
 Per named shape (configs/<name>.yaml's model, its dropout as configured): the plain
 `EncoderDecoder` trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens
@@ -13,16 +13,29 @@ dropout(y) in one pass), take steps in turn (A, B, A, B, ...), so both see the s
 seconds per step (`time.process_time`, steadier than wall time on a shared machine), median over
 the measured steps, target tokens per CPU-second and the speed-up. Then the same at dropout 0
 (every dropout off: both variants run the same ops, so their losses must be equal), with the
-largest relative difference of their losses over the measured steps. Writes OUT/model.{md,json} (default runs/bench-model).
+largest relative difference of their losses over the measured steps.
+
+`--against REV` adds a third variant: the `model` package as of git revision REV of this
+repository (`git archive`, imported as its own package next to today's), with the same initial
+weights where its parameters are the same, taking its turn in the same interleaved loop: a
+before/after measurement of everything that changed in the model since REV, losses included
+(at dropout 0 they must agree with today's to rounding). Writes OUT/model.{md,json} (default
+runs/bench-model).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import io
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,13 +43,67 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = ("torch", "hashed")
 
 
-def _step(model, optimizer, batch, cfg) -> float:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BenchError(Exception):
+    """A bad option: the message says which and what to do."""
+
+
+def model_at(rev: str, repo: str = REPO):
+    """(short commit, its `model.transformer` module) for git revision `rev` of `repo`: the
+    `model` package extracted with `git archive` into a temporary directory as package
+    `model_at_<commit>`, its own `model` imports pointed at that name."""
+    found = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise BenchError(f"--against {rev}: not a commit of the git repository {repo} (try a hash from `git log`)")
+    commit = found.stdout.strip()[:10]
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "model"], capture_output=True)
+    if archive.returncode:
+        raise BenchError(f"--against {rev}: commit {commit} has no model/ package to compare with")
+    name = f"model_at_{commit}"
+    root = tempfile.mkdtemp(prefix="bench-model-")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(root, filter="data")
+    package = os.path.join(root, name)
+    os.rename(os.path.join(root, "model"), package)
+    imports = re.compile(r"^(\s*)(from|import) model(?=[.\s])", re.MULTILINE)
+    for directory, _, files in os.walk(package):
+        for file in files:
+            if file.endswith(".py"):
+                path = os.path.join(directory, file)
+                with open(path) as f:
+                    text = f.read()
+                with open(path, "w") as f:
+                    f.write(imports.sub(rf"\1\2 {name}", text))
+    sys.path.insert(0, root)
+    try:
+        return commit, importlib.import_module(f"{name}.transformer")
+    except Exception as error:  # code of another era: say which commit and why
+        raise BenchError(f"--against {rev}: the model package of {commit} does not import here "
+                         f"({type(error).__name__}: {error})") from None
+
+
+def _old_config(transformer, cfg):
+    """`cfg` as the old package's ModelConfig (the fields it has; the others must be at the
+    defaults it implied, or the two models would differ)."""
+    old = importlib.import_module(transformer.__name__.rsplit(".", 1)[0] + ".config").ModelConfig
+    fields = {f.name for f in dataclasses.fields(old)}
+    dropped = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in fields
+               and v != getattr(type(cfg)(), k, v)}
+    if dropped:
+        raise BenchError(f"--against: that commit's ModelConfig has no {sorted(dropped)}, which this shape sets")
+    return old(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields})
+
+
+def _step(model, optimizer, batch, cfg, loss_sum=None) -> float:
     import torch
 
     from model.transformer import smoothed_loss_sum
 
     logits = model(batch["src"], batch["tgt_in"])
-    loss = smoothed_loss_sum(logits, batch["tgt_out"], cfg.pad_id, cfg.label_smoothing)
+    loss = (loss_sum or smoothed_loss_sum)(logits, batch["tgt_out"], cfg.pad_id, cfg.label_smoothing)
     (loss / batch["tgt_out"].numel()).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -44,34 +111,44 @@ def _step(model, optimizer, batch, cfg) -> float:
     return float(loss.detach())
 
 
-def compare(cfg, batch: dict, warmup: int, steps: int) -> dict:
-    """The two variants' interleaved steps on `cfg`: CPU seconds and losses per measured step."""
+def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
+    """The variants' interleaved steps on `cfg` (plus `against`'s model: (commit, its
+    transformer module)): CPU seconds and losses per measured step."""
+    import contextlib
+
     import torch
 
     from model.dropout import torch_dropout
     from model.transformer import EncoderDecoder
 
+    variants = {name: (EncoderDecoder, cfg, None, torch_dropout if name == "torch" else contextlib.nullcontext)
+                for name in VARIANTS}
+    if against is not None:
+        commit, old = against
+        variants[commit] = (old.EncoderDecoder, _old_config(old, cfg), old.smoothed_loss_sum, contextlib.nullcontext)
     runs = {}
-    for name in VARIANTS:
-        torch.manual_seed(0)  # the same dropout seed stream for both
-        model = EncoderDecoder(cfg, seed=1).train()
-        runs[name] = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
+    for name, (build, config, loss_sum, context) in variants.items():
+        torch.manual_seed(0)  # the same dropout seed stream for all
+        model = build(config, seed=1).train()
+        runs[name] = {"model": model, "cfg": config, "loss_sum": loss_sum, "context": context,
+                      "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
                       "rng": torch.get_rng_state(), "cpu_s": [], "losses": []}
     for i in range(warmup + steps):
         for name, run in runs.items():
             torch.set_rng_state(run["rng"])
-            start = time.process_time()
-            if name == "torch":
-                with torch_dropout():
-                    loss = _step(run["model"], run["optimizer"], batch, cfg)
-            else:
-                loss = _step(run["model"], run["optimizer"], batch, cfg)
-            seconds = time.process_time() - start
+            with run["context"]():
+                start = time.process_time()
+                loss = _step(run["model"], run["optimizer"], batch, run["cfg"], run["loss_sum"])
+                seconds = time.process_time() - start
             run["rng"] = torch.get_rng_state()
             if i >= warmup:
                 run["cpu_s"].append(seconds)
                 run["losses"].append(loss)
     return {name: {"cpu_s": run["cpu_s"], "losses": run["losses"]} for name, run in runs.items()}
+
+
+def _max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--against", metavar="REV", help="also train the model package of this git revision")
     parser.add_argument("--out", default="runs/bench-model")
     args = parser.parse_args(argv)
+    if min(args.batch, args.src, args.tgt, args.steps, args.threads) < 1 or args.warmup < 0:
+        print("error: --batch, --src, --tgt, --steps and --threads must be >= 1, --warmup >= 0", file=sys.stderr)
+        return 2
 
     import torch
 
@@ -93,14 +174,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         shapes = {name: named_model(name) for name in args.model.split(",")}
-    except ValueError as e:
-        print(f"error: --model: {e}", file=sys.stderr)
+        against = model_at(args.against) if args.against else None
+    except (ValueError, BenchError) as e:
+        print(f"error: {e}" if isinstance(e, BenchError) else f"error: --model: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     if kernels() is None:
         print("error: the hashed dropout kernel could not be built (see the warning above)", file=sys.stderr)
         return 1
     load_before = os.getloadavg()
+    names = list(VARIANTS) + ([against[0]] if against else [])
     rows = []
     for name, cfg in shapes.items():
         generator = torch.Generator().manual_seed(123)
@@ -110,30 +193,50 @@ def main(argv: list[str] | None = None) -> int:
         for dropout in (cfg.dropout, 0.0):
             shape = cfg if dropout else dataclasses.replace(cfg, dropout=0.0, attention_dropout=0.0,
                                                             activation_dropout=0.0)
-            result = compare(shape, batch, args.warmup, args.steps)
-            median = {v: statistics.median(result[v]["cpu_s"]) for v in VARIANTS}
+            try:
+                result = compare(shape, batch, args.warmup, args.steps, against)
+            except BenchError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            median = {v: statistics.median(result[v]["cpu_s"]) for v in names}
             target = args.batch * args.tgt
             row = {"model": name, "dropout": dropout, "layers": f"{cfg.encoder_layers}L-{cfg.decoder_layers}L",
                    "d_model": cfg.d_model, **{f"{v}_cpu_s": median[v] for v in VARIANTS},
                    **{f"{v}_tokens_per_cpu_s": target / median[v] for v in VARIANTS},
                    "speedup": median["torch"] / median["hashed"], "steps": result,
-                   "max_rel_loss_diff": max(abs(a - b) / abs(a) for a, b in
-                                            zip(result["torch"]["losses"], result["hashed"]["losses"]))}
+                   "max_rel_loss_diff": _max_rel_diff(result["torch"]["losses"], result["hashed"]["losses"])}
+            line = (f"{name} dropout {dropout}: torch {median['torch']:.3f} CPU-s/step ({row['torch_tokens_per_cpu_s']:.0f} "
+                    f"tgt tok/CPU-s), hashed {median['hashed']:.3f} ({row['hashed_tokens_per_cpu_s']:.0f}): "
+                    f"{row['speedup']:.3f}x; losses differ by ≤ {row['max_rel_loss_diff']:.1e} (relative)")
+            if against:
+                commit = against[0]
+                row["against"] = {"commit": commit, "cpu_s": median[commit], "tokens_per_cpu_s": target / median[commit],
+                                  "speedup": median[commit] / median["hashed"],
+                                  "max_rel_loss_diff": _max_rel_diff(result[commit]["losses"], result["hashed"]["losses"])}
+                line += (f"; {commit} {median[commit]:.3f} ({row['against']['tokens_per_cpu_s']:.0f}): today "
+                         f"{row['against']['speedup']:.3f}x, losses differ by ≤ {row['against']['max_rel_loss_diff']:.1e}")
             rows.append(row)
-            print(f"{name} dropout {dropout}: torch {median['torch']:.3f} CPU-s/step ({row['torch_tokens_per_cpu_s']:.0f} "
-                  f"tgt tok/CPU-s), hashed {median['hashed']:.3f} ({row['hashed_tokens_per_cpu_s']:.0f}): "
-                  f"{row['speedup']:.3f}x; losses differ by ≤ {row['max_rel_loss_diff']:.1e} (relative)", flush=True)
+            print(line, flush=True)
     os.makedirs(args.out, exist_ok=True)
     lines = [f"Plain model, {args.batch} × ({args.src} + {args.tgt}) tokens, fp32, {args.threads} thread(s), "
              f"{args.warmup} warm-up + {args.steps} measured steps per variant, interleaved; CPU seconds per step "
              f"(median); load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
-             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.", "",
-             "| model | dropout | torch CPU s | hashed CPU s | torch tgt tok/CPU-s | hashed tgt tok/CPU-s | speed-up "
-             "| max relative loss difference |", "|---" * 8 + "|"]
+             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.", ""]
+    header = ("| model | dropout | torch CPU s | hashed CPU s | torch tgt tok/CPU-s | hashed tgt tok/CPU-s | speed-up "
+              "| max relative loss difference |")
+    if against:
+        commit = against[0]
+        header += (f" {commit} CPU s | {commit} tgt tok/CPU-s | today over {commit} "
+                   f"| max relative loss difference to {commit} |")
+    lines += [header, "|---" * (12 if against else 8) + "|"]
     for r in rows:
-        lines.append(f"| {r['model']} ({r['layers']} d={r['d_model']}) | {r['dropout']} | {r['torch_cpu_s']:.3f} "
-                     f"| {r['hashed_cpu_s']:.3f} | {r['torch_tokens_per_cpu_s']:.0f} | {r['hashed_tokens_per_cpu_s']:.0f} "
-                     f"| {r['speedup']:.3f} | {r['max_rel_loss_diff']:.1e} |")
+        line = (f"| {r['model']} ({r['layers']} d={r['d_model']}) | {r['dropout']} | {r['torch_cpu_s']:.3f} "
+                f"| {r['hashed_cpu_s']:.3f} | {r['torch_tokens_per_cpu_s']:.0f} | {r['hashed_tokens_per_cpu_s']:.0f} "
+                f"| {r['speedup']:.3f} | {r['max_rel_loss_diff']:.1e} |")
+        if against:
+            a = r["against"]
+            line += f" {a['cpu_s']:.3f} | {a['tokens_per_cpu_s']:.0f} | {a['speedup']:.3f} | {a['max_rel_loss_diff']:.1e} |"
+        lines.append(line)
     with open(os.path.join(args.out, "model.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "model.json"), "w") as f:
