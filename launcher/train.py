@@ -341,14 +341,21 @@ def main(argv: list[str] | None = None) -> None:
             _run_lock = RunLock(cfg.run_dir).acquire()
         except RunDirBusy as e:
             sys.exit(f"error: {e}")
+    from parallel.engine import finish_distributed
+
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.run()
-    except DivergenceStop as e:
+    except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
+        finish_distributed()
         sys.exit(DIVERGED_EXIT_CODE)
+    except SystemExit as e:
+        if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
+            finish_distributed()
+        raise
     except Exception as e:
         if not _comm_failure(e):
             raise
@@ -358,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
               "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
               file=sys.stderr, flush=True)
         os._exit(1)  # no teardown of a broken process group
+    finish_distributed()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,24 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
                                auto_mpi_discovery=False, verbose=False, **timeout)
 
 
+def finish_distributed() -> None:
+    """End a rank that finished cleanly: wait for every rank (a barrier), then destroy the process
+    groups while the interpreter is fully alive.
+
+    Left to interpreter shutdown, gloo's worker threads may still hold work objects with tensors
+    whose release needs the Python runtime being torn down, and the rank aborts *after* its work
+    is done ("terminate called without an active exception", SIGABRT; seen here in about one
+    launch of a few hundred): a finished run then reports a failed rank, and a preempted one exits
+    with something other than the requeue code. Only for clean ends (done, preempted, agreed
+    divergence stop), where every rank reaches this call: after an error another rank may still
+    be inside a collective, and the launcher ends the ranks anyway."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_universal: bool = False) -> dict:
     """The DeepSpeed JSON config derived from the run config.
 
