@@ -64,8 +64,8 @@ def model_at(rev: str, repo: str = REPO):
         raise BenchError(f"--against {rev}: commit {commit} has no model/ package to compare with")
     name = f"model_at_{commit}"
     root = tempfile.mkdtemp(prefix="bench-model-")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(root, filter="data")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:  # our own repository's files
+        tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     package = os.path.join(root, name)
     os.rename(os.path.join(root, "model"), package)
     imports = re.compile(r"^(\s*)(from|import) model(?=[.\s])", re.MULTILINE)
