@@ -25,12 +25,14 @@ runs/bench-model).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import importlib
 import io
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,12 +40,10 @@ import tarfile
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 VARIANTS = ("torch", "hashed")
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BenchError(Exception):
@@ -64,6 +64,7 @@ def model_at(rev: str, repo: str = REPO):
         raise BenchError(f"--against {rev}: commit {commit} has no model/ package to compare with")
     name = f"model_at_{commit}"
     root = tempfile.mkdtemp(prefix="bench-model-")
+    atexit.register(shutil.rmtree, root, True)  # read until the end: its dropout kernel builds on first use
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:  # our own repository's files
         tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     package = os.path.join(root, name)
@@ -90,11 +91,11 @@ def _old_config(transformer, cfg):
     defaults it implied, or the two models would differ)."""
     old = importlib.import_module(transformer.__name__.rsplit(".", 1)[0] + ".config").ModelConfig
     fields = {f.name for f in dataclasses.fields(old)}
-    dropped = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in fields
-               and v != getattr(type(cfg)(), k, v)}
+    values, defaults = dataclasses.asdict(cfg), dataclasses.asdict(type(cfg)())
+    dropped = sorted(k for k, v in values.items() if k not in fields and v != defaults[k])
     if dropped:
-        raise BenchError(f"--against: that commit's ModelConfig has no {sorted(dropped)}, which this shape sets")
-    return old(**{k: v for k, v in dataclasses.asdict(cfg).items() if k in fields})
+        raise BenchError(f"--against: that commit's ModelConfig has no {dropped}, which this shape sets")
+    return old(**{k: v for k, v in values.items() if k in fields})
 
 
 def _step(model, optimizer, batch, cfg, loss_sum=None) -> float:

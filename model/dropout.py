@@ -3,15 +3,15 @@
 On a CPU torch draws one Bernoulli number per element (`bernoulli_`, ~7.5 ns per element on this
 project's 2-core EPYC: a fifth of a 100L-100L d=64 training step, whose matmuls are tiny). The
 kernel in `model/csrc/dropout.cpp` decides element i by a hash of (i, seed), one 64-bit seed per
-call drawn from torch's default CPU generator, ~0.6 ns per element, and adds DeepNorm's α·x in
+call drawn from torch's default CPU generator, ~0.7 ns per element, and adds DeepNorm's α·x in
 the same pass. Same statistics as torch's dropout (keep probability 1 − round(p·2³²)/2³², kept
 values scaled by 1/(1 − p)), reproducible under `torch.manual_seed`, restored by activation
 checkpointing and DeepSpeed's model-parallel RNG tracker like torch's draws; the masks differ
 from torch's. No library offers a CPU dropout that is not per-element Bernoulli draws.
 
-The kernel is compiled on first use (torch.utils.cpp_extension, ~45 s, cached per CPU model in
-torch's extension directory, `TORCH_EXTENSIONS_DIR`); `./run.sh` builds it when it sets up the
-virtualenv. Where it cannot be built, torch's dropout runs instead and one warning says why.
+The kernel is compiled on first use (torch.utils.cpp_extension, ~30 s, cached per CPU model in
+torch's extension directory, `TORCH_EXTENSIONS_DIR`): a run's first step, or the test suite's
+start. Where it cannot be built, torch's dropout runs instead and one warning says why.
 """
 from __future__ import annotations
 

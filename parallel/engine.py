@@ -125,8 +125,8 @@ def finish_distributed() -> None:
 
     Left to interpreter shutdown, gloo's worker threads may still hold work objects with tensors
     whose release needs the Python runtime being torn down, and the rank aborts *after* its work
-    is done ("terminate called without an active exception", SIGABRT; seen here in about one
-    launch of a few hundred): a finished run then reports a failed rank, and a preempted one exits
+    is done ("terminate called without an active exception", SIGABRT; seen twice here, in a
+    test launch and a bench launch): a finished run then reports a failed rank, and a preempted one exits
     with something other than the requeue code. Only for clean ends (done, preempted, agreed
     divergence stop), where every rank reaches this call: after an error another rank may still
     be inside a collective, and the launcher ends the ranks anyway."""

@@ -14,7 +14,6 @@ if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the ac
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-
 def pytest_sessionstart(session) -> None:
     """Build the CPU dropout kernel once (model/dropout.py, ~30 s on a fresh machine) before any
     test launches ranks that would each wait for the build."""
