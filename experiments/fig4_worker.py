@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
-from parallel.engine import finish_distributed  # noqa: E402
+from parallel.engine import exit_rank  # noqa: E402
 
 
 def main() -> None:
@@ -45,4 +45,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

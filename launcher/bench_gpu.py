@@ -209,19 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--profile", metavar="SHAPE", help="profile two steps of SHAPE; tables to OUT/profile-SHAPE.txt")
     args = parser.parse_args(argv)
-    from parallel.engine import finish_distributed
+    from parallel.engine import exit_rank
 
     if args.profile:
         os.makedirs(args.out, exist_ok=True)
         profile(args.profile, os.path.join(args.out, f"profile-{args.profile}.txt"))
-        finish_distributed()
-        return 0
+        exit_rank(0)
     if args.worker:
         result = measure(args.worker, args.steps, args.warmup)
         with open(os.path.join(args.out, f"{args.worker}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        finish_distributed()
-        return 0
+        exit_rank(0)
     from parallel import accelerator
 
     if not accelerator.gpu_available():

@@ -419,7 +419,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
-    from parallel.engine import finish_distributed, setup_distributed
+    from parallel.engine import exit_rank, setup_distributed
 
     setup_distributed()
     with open(args.layout) as f:
@@ -429,7 +429,7 @@ def main() -> None:
     if result is not None:
         with open(args.out, "w") as f:
             json.dump(result, f)
-    finish_distributed()
+    exit_rank()
 
 
 if __name__ == "__main__":

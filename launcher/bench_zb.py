@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from launcher.bench_worker import instrument, layout_config
     from launcher.train import Trainer
-    from parallel.engine import finish_distributed, setup_distributed
+    from parallel.engine import exit_rank, setup_distributed
 
     setup_distributed()
     rank = torch.distributed.get_rank()
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
         with open(args.out, "w") as f:
             json.dump({"pp": args.pp, "micro_batches": args.micro_batches, "variants": variants, "ranks": ranks,
                        "load": os.getloadavg()}, f)
-    finish_distributed()
+    exit_rank()
 
 
 def summarize(result: dict) -> list[dict]:

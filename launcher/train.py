@@ -11,6 +11,7 @@ computes exactly the losses of an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import json
@@ -337,11 +338,12 @@ def main(argv: list[str] | None = None) -> None:
         from launcher.runlock import RunDirBusy, RunLock
 
         global _run_lock
-        try:  # held until this process ends (a lock object that is collected releases it)
+        try:  # held until this process ends; released by its exit handlers (exit_rank runs them)
             _run_lock = RunLock(cfg.run_dir).acquire()
         except RunDirBusy as e:
             sys.exit(f"error: {e}")
-    from parallel.engine import finish_distributed
+        atexit.register(_run_lock.release)
+    from parallel.engine import exit_rank
 
     trainer = None
     try:
@@ -350,11 +352,10 @@ def main(argv: list[str] | None = None) -> None:
     except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
-        finish_distributed()
-        sys.exit(DIVERGED_EXIT_CODE)
+        exit_rank(DIVERGED_EXIT_CODE)
     except SystemExit as e:
         if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
-            finish_distributed()
+            exit_rank(PREEMPTED_EXIT_CODE)
         raise
     except Exception as e:
         if not _comm_failure(e):
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
               "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
               file=sys.stderr, flush=True)
         os._exit(1)  # no teardown of a broken process group
-    finish_distributed()
+    exit_rank(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import os
 import random
 import socket
 import subprocess
+import sys
+from typing import NoReturn
 
 import torch
 
@@ -120,21 +122,49 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
 
 
 def finish_distributed() -> None:
-    """End a rank that finished cleanly: wait for every rank (a barrier), then destroy the process
-    groups while the interpreter is fully alive.
-
-    Left to interpreter shutdown, gloo's worker threads may still hold work objects with tensors
-    whose release needs the Python runtime being torn down, and the rank aborts *after* its work
-    is done ("terminate called without an active exception", SIGABRT; seen twice here, in a
-    test launch and a bench launch): a finished run then reports a failed rank, and a preempted one exits
-    with something other than the requeue code. Only for clean ends (done, preempted, agreed
-    divergence stop), where every rank reaches this call: after an error another rank may still
-    be inside a collective, and the launcher ends the ranks anyway."""
+    """Wait for every rank (a barrier), then destroy the process groups. Only for clean ends
+    (done, preempted, agreed divergence stop), where every rank reaches this call: after an error
+    another rank may still be inside a collective, and the launcher ends the ranks anyway.
+    Entry points end through `exit_rank`, which calls this first."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank that finished cleanly with exit status `code`, skipping interpreter teardown.
+
+    Why not a plain return: gloo's worker threads release finished collectives on their own
+    schedule, also after the barrier and `destroy_process_group` have returned (the groups live
+    on while anything holds them). Releasing one drops tensors that own Python objects, which
+    takes the GIL; once the interpreter has begun to finalize, CPython 3.11 ends such a thread
+    with pthread_exit, whose unwinding through the noexcept destructor calls std::terminate
+    ("terminate called without an active exception", SIGABRT). Seen here in 1 of 40 runs of a
+    two-rank job on 2 loaded cores; pytorch/pytorch#190489 (torch's decref guards on
+    Py_IsInitialized, still true while finalizing). A finished run then reports a failed rank and
+    a preempted one exits with -6 instead of the requeue code, so SLURM does not requeue it.
+
+    So: meet the other ranks and destroy the groups (`finish_distributed`), wait for this
+    process's non-daemon threads and run its atexit handlers and flush stdio, as a normal exit
+    would, then `os._exit(code)` before finalization begins. Every file the ranks write is
+    closed (checkpoints committed, metrics appended and closed, TensorBoard flushed per write)
+    before this is reached."""
+    import atexit
+    import threading
+
+    finish_distributed()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what Py_FinalizeEx would run first (logging's flush among them)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)
 
 
 def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_universal: bool = False) -> dict:

@@ -107,6 +107,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from launcher import train
+    from parallel.engine import exit_rank
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     train.install_preemption_handler()
@@ -116,8 +117,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
     after = train.preemption_agreed()
     with open(f"{out}.{rank}", "w") as f:
         json.dump([before, after], f)
-    dist.barrier()  # neither rank tears gloo down while the other still uses it (it aborts)
-    dist.destroy_process_group()
+    exit_rank(0)  # neither rank tears gloo down while the other still uses it (it aborts)
 
 
 def test_preemption_signal_to_one_rank_stops_every_rank(tmp_path):

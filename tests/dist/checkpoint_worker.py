@@ -26,7 +26,7 @@ from launcher.cli import main as cli  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from tests.dist.common import record_steps  # noqa: E402
-from parallel.engine import finish_distributed  # noqa: E402
+from parallel.engine import exit_rank  # noqa: E402
 
 
 def losses(trainer: Trainer, steps: int, save_at: int | None = None) -> list[float]:
@@ -83,4 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

@@ -23,7 +23,7 @@ from launcher.train import Trainer  # noqa: E402
 from tests.dist.common import dump_params, record_steps  # noqa: E402
 from model.norms import PostNormResidual  # noqa: E402
 from model.transformer import layer_plan  # noqa: E402
-from parallel.engine import finish_distributed  # noqa: E402
+from parallel.engine import exit_rank  # noqa: E402
 
 RESIDUALS = ("self_attn_res", "cross_attn_res", "ffn_res")
 
@@ -70,4 +70,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

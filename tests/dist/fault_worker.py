@@ -26,7 +26,7 @@ from launcher import train as train_mod  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.guard import DivergenceStop  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
-from parallel.engine import finish_distributed  # noqa: E402
+from parallel.engine import exit_rank  # noqa: E402
 
 def barrier() -> None:
     torch.distributed.barrier()
@@ -238,4 +238,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from parallel.engine import finish_distributed, setup_distributed  # noqa: E402
+from parallel.engine import exit_rank, setup_distributed  # noqa: E402
 from parallel.pipeline import TranslationPipe  # noqa: E402
 from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
 
@@ -91,4 +91,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

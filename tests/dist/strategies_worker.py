@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
 from model.norms import BranchNormResidual  # noqa: E402
-from parallel.engine import finish_distributed, setup_distributed  # noqa: E402
+from parallel.engine import exit_rank, setup_distributed  # noqa: E402
 from tests.dist.common import record_steps, write_result  # noqa: E402
 
 BRANCHNORM_T = 3
@@ -75,4 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

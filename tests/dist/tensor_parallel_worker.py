@@ -30,7 +30,7 @@ from model.transformer import EncoderDecoder, smoothed_loss_sum  # noqa: E402
 from parallel.pipeline import plain_state_dict  # noqa: E402
 from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum  # noqa: E402
 from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
-from parallel.engine import finish_distributed  # noqa: E402
+from parallel.engine import exit_rank  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,4 +113,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from launcher.config import load_config  # noqa: E402
 from launcher.train import Trainer  # noqa: E402
-from parallel.engine import finish_distributed, setup_distributed  # noqa: E402
+from parallel.engine import exit_rank, setup_distributed  # noqa: E402
 from tests.dist.common import dump_params, fresh_run_dir, record_steps  # noqa: E402
 
 
@@ -94,4 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    finish_distributed()
+    exit_rank()
