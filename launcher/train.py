@@ -20,6 +20,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -356,10 +357,18 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as e:
         if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
             exit_rank(PREEMPTED_EXIT_CODE)
-        raise
+        if not torch.distributed.is_initialized():
+            raise
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr, flush=True)  # what Python prints for sys.exit("error: …")
+        # The same teardown hazard as a clean end (see exit_rank): keep the exit status asked for.
+        exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
     except Exception as e:
         if not _comm_failure(e):
-            raise
+            if not torch.distributed.is_initialized():
+                raise
+            traceback.print_exc()
+            exit_rank(1, clean=False)
         step = f" at step {trainer.step}" if trainer is not None else ""
         reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
         print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "

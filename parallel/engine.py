@@ -133,8 +133,10 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-def exit_rank(code: int = 0) -> NoReturn:
+def exit_rank(code: int = 0, clean: bool = True) -> NoReturn:
     """End a rank that finished cleanly with exit status `code`, skipping interpreter teardown.
+    `clean=False` (a rank that failed: another may still be inside a collective, so no barrier and
+    no thread is waited for) keeps only the exit handlers, the flush and the os._exit.
 
     Why not a plain return: gloo's worker threads release finished collectives on their own
     schedule, also after the barrier and `destroy_process_group` have returned (the groups live
@@ -154,10 +156,11 @@ def exit_rank(code: int = 0) -> NoReturn:
     import atexit
     import threading
 
-    finish_distributed()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    if clean:
+        finish_distributed()
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()  # what Py_FinalizeEx would run first (logging's flush among them)
     for stream in (sys.stdout, sys.stderr):
         try:
