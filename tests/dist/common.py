@@ -85,7 +85,8 @@ def train_and_resume(cfg, steps: int, save_at: int, dump: str | None = None) -> 
 
     first = Trainer(cfg, max_steps=steps)
     result = {"uninterrupted": record_steps(first, steps, save_at),
-              "partition": [int(x) for x in first.module.parts]}
+              "partition": [int(x) for x in first.module.parts],
+              "optimizer": type(first.engine.optimizer).__name__}
     if dump:
         dump_params(first, dump)
     resumed = copy.deepcopy(cfg)

@@ -10,6 +10,9 @@ activation_checkpointing: the plain run again with checkpointing every 2 layers.
 dropout:  dropout 0.1 everywhere and checkpointing every layer, trained (parameters written to
           `--out`.dropout.stage<s>.tp<t>.pt) and resumed as 'plain'; the same run without
           checkpointing as dropout_no_checkpointing.
+zero1_deepspeed: the plain run (uninterrupted) with DeepSpeed's ZeRO-1 optimizer as DeepSpeed
+          ships it, not parallel/ds_engine.py's LeanZeroOptimizer; parameters written to
+          `--out`.deepspeed.stage<s>.tp<t>.pt.
 partitions: the trainer's pipeline module (parallel/pipeline.py TranslationPipe) built on this
           launch's topology for several model shapes; their stage bounds.
 Rank 0 writes everything to `--out` (JSON) for the test to compare with a single-process run.
@@ -31,7 +34,7 @@ from launcher.train import Trainer  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from parallel.engine import exit_rank, setup_distributed  # noqa: E402
 from parallel.pipeline import TranslationPipe  # noqa: E402
-from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
+from tests.dist.common import dump_params, record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
 
 # Shapes whose partitions differ in kind: decoder-heavy, output-heavy, Pre-LN's final norms, wide.
 PARTITION_SHAPES = {
@@ -84,6 +87,15 @@ def main() -> None:
                                               dump=f"{args.out}.dropout")
         no_ckpt = with_dropout(cfg, "dropout-no-ac", checkpoint_interval=0)
         results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps)
+    if "zero1_deepspeed" in scenarios:
+        from parallel.ds_engine import LeanZeroOptimizer
+
+        LeanZeroOptimizer.enabled = False
+        shipped = Trainer(variant(cfg, "zero1-deepspeed"), max_steps=args.steps)
+        assert type(shipped.engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
+        results["zero1_deepspeed"] = record_steps(shipped, args.steps)
+        dump_params(shipped, f"{args.out}.deepspeed")
+        LeanZeroOptimizer.enabled = True
     if "partitions" in scenarios:
         results["partitions"] = partitions()
     write_result(args.out, results)
