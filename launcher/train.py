@@ -118,11 +118,6 @@ class Trainer(CheckpointLifecycle):
         log0(f"pipeline partition ({layout.pp} stages × tensor-parallel {layout.tp} × {layout.dp} replicas, "
              f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
              f"{self.module.describe_partition()}")
-        p = cfg.parallel
-        if p.zero_stage == 1 and layout.dp == 1 and layout.pp == 1 and layout.tp == 1 and p.precision == "fp32":
-            log0("note: parallel.zero_stage: 1 with one replica partitions nothing and copies every gradient "
-                 "and weight through its flat buffers; zero_stage: 0 trains the same numbers faster (README, "
-                 "'The trainer against the plain model'), but only ZeRO-1 checkpoints can be resharded")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"))
         self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"))
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.data.seed,

@@ -10,7 +10,9 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
   instruction: 20 B/param after backward, +4 at ReduceGrads, +4 in the optimizer step, 28 B/param
   at dp = 1 for 2–46M-parameter models); bf16 and fp16 follow the code of BF16_Optimizer and
   DeepSpeedZeroOptimizer.
-  ZeRO-1 divides the fp32 master copy, Adam's moments and the flat gradient partition by dp.
+  ZeRO-1 divides the fp32 master copy, Adam's moments and the flat gradient partition by dp;
+  with one replica in fp32 (LeanZeroOptimizer) it keeps what the client AdamW without ZeRO keeps,
+  except that its flat gradient buffer is never freed.
 * Activations (`layer_activation_bytes`): what autograd saves per layer of this implementation,
   counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
   times the micro-batches in flight on the stage (1F1B: min(pp − stage, m)), plus the two
@@ -202,7 +204,10 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
-    if layout.zero == 0 and layout.precision != "bf16":  # (BF16_Optimizer shards by dp itself)
+    # ZeRO-1 with one replica in fp32 runs as parallel/ds_engine.py's LeanZeroOptimizer: its
+    # master partition is the flat weights and the gradients live in one flat buffer for good.
+    lean_zero1 = layout.zero == 1 and layout.dp == 1 and layout.precision == "fp32"
+    if (layout.zero == 0 or lean_zero1) and layout.precision != "bf16":  # (BF16_Optimizer shards by dp itself)
         # No flat fp32 copy: AdamW's m and v sit beside the weights, unsharded, and the fused
         # AdamW makes no temporaries; DeepSpeed's all-reduce flattens the gradients into buckets
         # with more than one replica (parallel/ds_engine.py skips it with one).
@@ -258,8 +263,9 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     state = params * (kept + unsharded + kept_dp / layout.dp)
-    if layout.micro_batches > in_flight:
-        # Later micro-batches run forward while the earlier ones' gradients exist.
+    if layout.micro_batches > in_flight or lean_zero1:
+        # Later micro-batches run forward while the earlier ones' gradients exist (with the
+        # lean ZeRO-1, every forward: its gradient buffer is never freed).
         fwd_bwd = state + params * grads + activations + transient + comm
     else:
         # Gradients appear as backward frees activations, layer by layer (measured: the peak is
