@@ -34,7 +34,7 @@ def pp2_run(tiny_data, tmp_path_factory):
     out = str(work / "result.json")
     result = run_worker(2, "tests/dist/pipeline_worker.py", out,
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
-                         "--scenarios", "plain,activation_checkpointing,zero1_deepspeed"])
+                         "--scenarios", "plain,activation_checkpointing,zero1_deepspeed,zero1_fallback"])
     result["deepspeed_params"] = load_params(f"{out}.deepspeed")
     return result, load_params(f"{out}.params"), reference_run(load_config(config), STEPS), load_config(config)
 
@@ -94,6 +94,14 @@ def test_pp2_lean_zero1_equals_deepspeeds_zero1(pp2_run):
     # Measured: ≤ 6e-8 apart (the norm's per-tensor sums in another order move the clipping
     # coefficient by an ulp); the key biases, whose gradient is rounding noise, within their bound.
     assert_parameters_equal(params, {**ref, "params": result["deepspeed_params"]}, rtol=0, atol=1e-6)
+
+
+def test_lean_zero1_falls_back_to_deepspeeds_paths_when_its_buffers_are_rebound(pp2_run):
+    result = pp2_run[0]
+    fallback, lean = result["zero1_fallback"], result["plain"]["uninterrupted"]
+    assert fallback["lean_after"] is False
+    assert fallback["loss"] == pytest.approx(lean["loss"], rel=1e-6)
+    assert fallback["grad_norm"] == pytest.approx(lean["grad_norm"], rel=1e-6)
 
 
 def test_activation_checkpointing_gives_identical_losses(pp2_run):

@@ -13,6 +13,9 @@ dropout:  dropout 0.1 everywhere and checkpointing every layer, trained (paramet
 zero1_deepspeed: the plain run (uninterrupted) with DeepSpeed's ZeRO-1 optimizer as DeepSpeed
           ships it, not parallel/ds_engine.py's LeanZeroOptimizer; parameters written to
           `--out`.deepspeed.stage<s>.tp<t>.pt.
+zero1_fallback: the plain run (uninterrupted) where, after the second step, every ZeRO-1 master
+          partition is re-bound to a copy of itself: LeanZeroOptimizer must notice and finish
+          on DeepSpeed's own paths.
 partitions: the trainer's pipeline module (parallel/pipeline.py TranslationPipe) built on this
           launch's topology for several model shapes; their stage bounds.
 Rank 0 writes everything to `--out` (JSON) for the test to compare with a single-process run.
@@ -96,6 +99,16 @@ def main() -> None:
         results["zero1_deepspeed"] = record_steps(shipped, args.steps)
         dump_params(shipped, f"{args.out}.deepspeed")
         LeanZeroOptimizer.enabled = True
+    if "zero1_fallback" in scenarios:
+        trainer = Trainer(variant(cfg, "zero1-fallback"), max_steps=args.steps)
+        opt = trainer.engine.optimizer
+        first = record_steps(trainer, 2)
+        for master in opt.single_partition_of_fp32_groups:
+            master.data = master.data.clone()
+        rest = record_steps(trainer, args.steps)
+        results["zero1_fallback"] = {"loss": first["loss"] + rest["loss"],
+                                     "grad_norm": first["grad_norm"] + rest["grad_norm"],
+                                     "lean_after": bool(opt._lean)}
     if "partitions" in scenarios:
         results["partitions"] = partitions()
     write_result(args.out, results)
