@@ -67,13 +67,13 @@ print("ended")
 
 
 # The hazard, made deterministic: rank 1 starts an all-reduce of a tensor it keeps; rank 0 joins
-# 1.5 s later. Meanwhile rank 1 ends, and its last exit handler holds the GIL for 3 s (a C call:
+# 1.5 s later. Meanwhile rank 1 ends, and its last exit handler holds the GIL for 5 s (a C call:
 # no bytecode runs, so the GIL is never handed over). gloo completes the collective and, releasing
 # it, waits for the GIL to drop the tensor's Python object; it gets the GIL only once the
 # interpreter has begun to finalize, and CPython ends the thread there, through a noexcept frame.
 TWO_RANKS = """
 import atexit, ctypes
-atexit.register(ctypes.PyDLL(None).usleep, 3_000_000)  # registered first: runs last
+atexit.register(ctypes.PyDLL(None).usleep, 5_000_000)  # registered first: runs last
 import os, sys, threading, time
 import torch, torch.distributed as dist
 from parallel.engine import exit_rank
