@@ -277,9 +277,13 @@ def install_rank_handlers(grace_seconds: float) -> None:
         first = not stop.checkpoint
         stop.checkpoint, stop.signal_name = True, name
         if first and signum == signal.SIGTERM and grace_seconds > 0:
-            timer = threading.Timer(grace_seconds, _exit_now,
-                                    (143, f"no checkpoint within {grace_seconds:.0f} s of SIGTERM "
-                                          "(train.stop_grace_seconds); exiting without one"))
+            def out_of_grace():
+                if stop.saved:  # the checkpoint is committed; the rank is on its way out with 75
+                    return
+                _exit_now(143, f"no checkpoint within {grace_seconds:.0f} s of SIGTERM "
+                               "(train.stop_grace_seconds); exiting without one")
+
+            timer = threading.Timer(grace_seconds, out_of_grace)
             timer.daemon = True
             timer.start()
 

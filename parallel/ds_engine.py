@@ -35,6 +35,7 @@ from deepspeed import comm as ds_comm
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, GradPartitionBufferGroup
+from deepspeed.runtime.zero.utils import get_norm_dtype
 from deepspeed.utils import groups
 
 
@@ -108,8 +109,10 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
       so backward accumulates straight into the partition DeepSpeed steps on; `reduce_gradients`
       only hands that buffer over (a gradient found outside it is copied in), `zero_grad` zeroes
       it in one call;
-    * the global norm is DeepSpeed's (same tensors, same exclusions, same all-reduces) with the
-      per-tensor norms taken by one `torch._foreach_norm`;
+    * the global norm is DeepSpeed's (same tensors, same exclusions, same all-reduces, the
+      per-tensor norms in fp64 as DeepSpeed takes them) by one `torch._foreach_norm`;
+    * no reduction bucket: DeepSpeed allocates one (2 GB in fp32 by default) on each backward's
+      first gradient and frees it in the reduction the lean path replaces;
     * the re-pointing after the step is skipped while the parameters still are those views.
     DeepSpeed's `step`, overflow handling, clipping, `state_dict` and checkpoint loading run
     unchanged, so checkpoints are ZeRO-1's (they reshard). Whenever the buffers are found no
@@ -197,6 +200,17 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
                     continue
                 p.grad = view
             self.averaged_gradients[i] = self._lean_groups[i]
+        self.ready_for_gradients = False  # as DeepSpeed's reduction leaves it (the next backward counts a micro-step)
+
+    def setup_buckets(self):
+        """Called by DeepSpeed's gradient hooks on each backward's first gradient: DeepSpeed
+        allocates its reduction bucket there (reduce_bucket_size elements, 2 GB in fp32 by
+        default) and frees it in its reduction; the lean reduction uses none."""
+        if not self._lean:
+            return super().setup_buckets()
+        if not self.ready_for_gradients:
+            self.micro_step_id += 1
+            self.ready_for_gradients = True
 
     def zero_grad(self, set_to_none=True):
         if not self._lean_check():
@@ -211,8 +225,8 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
         counted = [self._lean_views[id(p)] for p in params
                    if not getattr(p, "ds_pipe_replicated", False)
                    and (is_model_parallel_parameter(p) or self.model_parallel_rank == 0)]
-        if counted:
-            total = torch.stack(torch._foreach_norm(counted, 2.0)).pow(2.0).sum().float()
+        if counted:  # DeepSpeed's per-tensor norms in get_norm_dtype() (fp64), summed there
+            total = torch.stack(torch._foreach_norm(counted, 2.0, dtype=get_norm_dtype())).pow(2.0).sum().float()
         else:
             total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
         ds_comm.all_reduce(total, op=ds_comm.ReduceOp.SUM, group=self.dp_process_group)

@@ -148,20 +148,24 @@ def exit_rank(code: int = 0, clean: bool = True) -> NoReturn:
     Py_IsInitialized, still true while finalizing). A finished run then reports a failed rank and
     a preempted one exits with -6 instead of the requeue code, so SLURM does not requeue it.
 
-    So: meet the other ranks and destroy the groups (`finish_distributed`), wait for this
-    process's non-daemon threads and run its atexit handlers and flush stdio, as a normal exit
-    would, then `os._exit(code)` before finalization begins. Every file the ranks write is
+    So: meet the other ranks and destroy the groups (`finish_distributed`; should another rank be
+    gone already, say so and go on), wait for this process's non-daemon threads and run its
+    atexit handlers and flush stdio, as a normal exit would, then `os._exit(code)` before
+    finalization begins. Every file the ranks write is
     closed (checkpoints committed, metrics appended and closed, TensorBoard flushed per write)
     before this is reached."""
     import atexit
     import threading
 
     if clean:
-        finish_distributed()
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-    atexit._run_exitfuncs()  # what Py_FinalizeEx would run first (logging's flush among them)
+        try:
+            finish_distributed()
+        except Exception as e:  # another rank is gone; this one's work is done: leave all the same
+            print(f"rank {os.environ.get('RANK', '0')}: could not meet the other ranks at exit "
+                  f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", file=sys.stderr, flush=True)
+        else:
+            threading._shutdown()  # what Py_FinalizeEx does first: join the non-daemon threads
+    atexit._run_exitfuncs()  # then its exit handlers (logging's flush among them)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

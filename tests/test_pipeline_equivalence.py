@@ -14,6 +14,7 @@ pipeline module cuts several other shapes exactly as the planner does.
 import copy
 
 import pytest
+import torch
 
 from launcher.config import load_config
 from parallel.planner import stage_bounds
@@ -85,23 +86,21 @@ def test_pp2_resumed_run_reproduces_uninterrupted_losses(pp2_run):
 def test_pp2_lean_zero1_equals_deepspeeds_zero1(pp2_run):
     """ZeRO-1 at one replica runs as parallel/ds_engine.py's LeanZeroOptimizer; DeepSpeed's own
     ZeRO-1 optimizer, on the same launch, computes the same steps."""
-    result, params, ref, _ = pp2_run
+    result, params, _, _ = pp2_run
     assert result["plain"]["optimizer"] == "LeanZeroOptimizer"
     lean, shipped = result["plain"]["uninterrupted"], result["zero1_deepspeed"]
-    assert lean["loss"] == pytest.approx(shipped["loss"], rel=1e-6)
-    assert lean["grad_norm"] == pytest.approx(shipped["grad_norm"], rel=1e-6)
+    # Bit for bit: the same gradients in the same sums, the norm in DeepSpeed's fp64, the same step.
+    assert lean["loss"] == shipped["loss"] and lean["grad_norm"] == shipped["grad_norm"]
     assert lean["lr"] == shipped["lr"]
-    # Measured: ≤ 6e-8 apart (the norm's per-tensor sums in another order move the clipping
-    # coefficient by an ulp); the key biases, whose gradient is rounding noise, within their bound.
-    assert_parameters_equal(params, {**ref, "params": result["deepspeed_params"]}, rtol=0, atol=1e-6)
+    assert sorted(params) == sorted(result["deepspeed_params"])
+    assert [name for name in params if not torch.equal(params[name], result["deepspeed_params"][name])] == []
 
 
 def test_lean_zero1_falls_back_to_deepspeeds_paths_when_its_buffers_are_rebound(pp2_run):
     result = pp2_run[0]
     fallback, lean = result["zero1_fallback"], result["plain"]["uninterrupted"]
     assert fallback["lean_after"] is False
-    assert fallback["loss"] == pytest.approx(lean["loss"], rel=1e-6)
-    assert fallback["grad_norm"] == pytest.approx(lean["grad_norm"], rel=1e-6)
+    assert fallback["loss"] == lean["loss"] and fallback["grad_norm"] == lean["grad_norm"]
 
 
 def test_activation_checkpointing_gives_identical_losses(pp2_run):

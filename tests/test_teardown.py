@@ -80,6 +80,11 @@ from parallel.engine import exit_rank
 mode, rank = sys.argv[1], int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["MASTER_PORT"],
                         rank=rank, world_size=2)
+if mode == "peer_gone":  # rank 0 is gone before rank 1 ends cleanly
+    if rank == 0:
+        os._exit(0)
+    time.sleep(1.0)
+    exit_rank(75)
 if rank == 1:
     kept = torch.ones(1)
     dist.all_reduce(kept, async_op=True)
@@ -128,3 +133,10 @@ def test_a_rank_that_fails_after_joining_the_group_exits_with_its_message_and_st
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 1 processes were launched but parallel.pipeline_stages"), last
     assert "Traceback" not in proc.stderr
+
+
+def test_exit_rank_leaves_with_its_code_when_another_rank_is_already_gone():
+    gone, ended = _two_ranks("peer_gone")
+    assert gone.returncode == 0
+    assert ended.returncode == 75, (ended.returncode, ended.stderr[-2000:])
+    assert "rank 1: could not meet the other ranks at exit" in ended.stderr
