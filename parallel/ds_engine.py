@@ -117,7 +117,8 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
     DeepSpeed's `step`, overflow handling, clipping, `state_dict` and checkpoint loading run
     unchanged, so checkpoints are ZeRO-1's (they reshard). Whenever the buffers are found no
     longer shared (something re-bound them), the optimizer falls back to DeepSpeed's own paths
-    for good. Losses, gradient norms and weights equal DeepSpeed's (tests/test_engine_lean.py)."""
+    for good. Losses, gradient norms and weights equal DeepSpeed's bit for bit
+    (tests/test_pipeline_equivalence.py)."""
 
     enabled = True  # False: engines built from now on keep DeepSpeed's ZeRO-1 as it is (A/B runs)
 
@@ -156,13 +157,13 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
         self._lean_grads = []  # per parameter group: the flat gradient buffer
         self._lean_views = {}  # id(param) -> its gradient's view into that buffer
         self._lean_groups = []  # per group: the buffer as DeepSpeed's pre-flattened gradient partition
-        self._lean_weights = []  # (param, its group's flat buffer, byte offset of the param in it)
+        self._lean_weights = []  # per group: (param, byte address it has as a view of the flat buffer)
         for i, flat in enumerate(self.bit16_groups_flat):
             grads = torch.zeros_like(flat)
             for p in self.bit16_groups[i]:
                 offset = p.storage_offset() - flat.storage_offset()
                 self._lean_views[id(p)] = grads.narrow(0, offset, p.numel()).view_as(p)
-                self._lean_weights.append((p, flat, offset * p.element_size()))
+            self._lean_weights.append([(p, p.data_ptr()) for p in self.bit16_groups[i]])
             self._lean_grads.append(grads)
             self._lean_groups.append(GradPartitionBufferGroup(
                 [self._lean_views[id(p)] for p in self.params_in_partition[i]], grads))
@@ -237,7 +238,7 @@ class LeanZeroOptimizer(DeepSpeedZeroOptimizer):
 
     def _update_model_bit16_weights(self, group_index):
         if self._lean and self._lean_intact() and all(
-                p.data_ptr() == flat.data_ptr() + offset for p, flat, offset in self._lean_weights):
+                p.data_ptr() == address for p, address in self._lean_weights[group_index]):
             return  # the parameters are still the views of the flat buffer the step updated in place
         return super()._update_model_bit16_weights(group_index)
 

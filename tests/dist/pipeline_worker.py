@@ -94,11 +94,13 @@ def main() -> None:
         from parallel.ds_engine import LeanZeroOptimizer
 
         LeanZeroOptimizer.enabled = False
-        shipped = Trainer(variant(cfg, "zero1-deepspeed"), max_steps=args.steps)
+        try:
+            shipped = Trainer(variant(cfg, "zero1-deepspeed"), max_steps=args.steps)
+        finally:
+            LeanZeroOptimizer.enabled = True
         assert type(shipped.engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
         results["zero1_deepspeed"] = record_steps(shipped, args.steps)
         dump_params(shipped, f"{args.out}.deepspeed")
-        LeanZeroOptimizer.enabled = True
     if "zero1_fallback" in scenarios:
         trainer = Trainer(variant(cfg, "zero1-fallback"), max_steps=args.steps)
         opt = trainer.engine.optimizer
