@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from model.dropout import kernels
+    from parallel.accelerator import keep_freed_host_memory
     from parallel.planner import named_model
 
     try:
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}" if isinstance(e, BenchError) else f"error: --model: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
+    kept = keep_freed_host_memory()  # as every training rank does (parallel.engine.setup_distributed)
     if kernels() is None:
         print("error: the hashed dropout kernel could not be built (see the warning above)", file=sys.stderr)
         return 1
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Plain model, {args.batch} × ({args.src} + {args.tgt}) tokens, fp32, {args.threads} thread(s), "
              f"{args.warmup} warm-up + {args.steps} measured steps per variant, interleaved; CPU seconds per step "
              f"(median); load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
-             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}.", ""]
+             f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; freed host memory "
+             f"{'kept for reuse' if kept else 'returned to the system (glibc defaults)'}.", ""]
     header = ("| model | dropout | torch CPU s | hashed CPU s | torch tgt tok/CPU-s | hashed tgt tok/CPU-s | speed-up "
               "| max relative loss difference |")
     if against:

@@ -14,7 +14,7 @@ from typing import NoReturn
 import torch
 
 from model.config import ModelConfig
-from parallel.accelerator import HOST
+from parallel.accelerator import HOST, keep_freed_host_memory
 from parallel.config import ParallelConfig, TrainConfig
 from parallel.layout import Layout
 
@@ -113,6 +113,7 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
     accelerator = get_accelerator()
     if accelerator.device_name() == HOST:
         deepspeed.ops.__compatible_ops__ = {}
+        keep_freed_host_memory()  # tensors live in host memory: reuse it rather than fault it in each step
     else:
         accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
