@@ -184,6 +184,32 @@ def test_refused_strategies_say_why_and_write_nothing(tiny_data, tmp_path, capsy
     assert "not empty" in capsys.readouterr().err
 
 
+def test_force_never_replaces_the_model_or_a_folder_that_is_not_an_export(tmp_path, capsys):
+    """--force replaces a previous export only: not the run directory being exported, not a folder
+    holding it, not any other folder (checked before the model is read)."""
+    run = tmp_path / "runs" / "tr"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    model = run / "model.pt"
+    model.write_bytes(b"weights")
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    cases = [(str(run), str(run), "is or contains the model"),
+             (str(model), str(tmp_path / "runs"), "is or contains the model"),
+             (str(run / "checkpoints" / ".."), str(run / ".."), "is or contains the model"),
+             (str(model), str(model), "is or contains the model"),
+             (str(model), str(other), "not an export")]
+    for source, out, reason in cases:
+        for fmt in ("hf", "ctranslate2"):
+            assert cli(["export", source, "--to", fmt, out, "--force"]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and reason in err and err.count("\n") == 1, err
+    assert model.read_bytes() == b"weights" and (run / "checkpoints").is_dir()
+    assert (other / "todo.txt").read_text() == "keep me"
+    assert sorted(os.listdir(tmp_path)) == ["notes", "runs"]
+
+
 def read_test_lines(data_dir: str, pair: str, language: str, n: int = 30) -> list[str]:
     with open(os.path.join(data_dir, "corpus", pair, f"opus.{pair}-test.{language}"), encoding="utf-8") as f:
         return f.read().splitlines()[:n]

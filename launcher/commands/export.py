@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="float32",
                         help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, "
                              "bfloat16, int8_float16, int8_bfloat16")
-    parser.add_argument("--force", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing export in the output folder (never the model's own folder "
+                             "or one that is not an export)")
 
 
 def _fail(message: str) -> int:
@@ -35,10 +37,29 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _replace_problem(out: str, model: str, shown: str) -> str | None:
+    """Why `--force` must not replace the existing, non-empty `out` (None: it may): it is or holds
+    the model being exported, or it is not a previous export (no config.json, which every export
+    writes). --force replaces an export, never a run directory or anything else."""
+    real_out, real_model = os.path.realpath(out), os.path.realpath(model)
+    if real_model == real_out or real_model.startswith(real_out.rstrip(os.sep) + os.sep):
+        return f"{shown} is or contains the model being exported ({model}); choose another output folder"
+    if not os.path.isdir(out):
+        return f"{shown} is a file, not an export folder; choose another output folder"
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        return (f"{shown} holds files that are not an export (no config.json); --force replaces only a "
+                f"previous export: choose another output folder or remove it yourself")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.force:
-        return _fail(f"{args.out} exists and is not empty; choose another folder or pass --force")
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        if not args.force:
+            return _fail(f"{args.out} exists and is not empty; choose another folder or pass --force")
+        problem = _replace_problem(out, args.model, args.out)
+        if problem:
+            return _fail(problem)
     if args.format == "ctranslate2":
         try:
             from export.ctranslate2 import QUANTIZATIONS
