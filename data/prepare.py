@@ -102,7 +102,7 @@ def _write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
-def _corpus_fingerprint(cfg: DataConfig) -> str:
+def corpus_fingerprint(cfg: DataConfig) -> str:
     """What identifies the input text: the names, sizes and modification times of its files
     (hashing terabytes on every launch would be too slow); for the bundled corpus the version of
     Django whose catalogs it is built from."""
@@ -181,7 +181,7 @@ def prepare_data(
         progress = os.isatty(2)
     try:
         with _locked(out_dir):
-            fingerprint = _corpus_fingerprint(cfg)
+            fingerprint = corpus_fingerprint(cfg)
             manifest = _is_current(out_dir, key, fingerprint)
             if manifest is not None:
                 log(f"data: {out_dir} is up to date ({_summary(manifest)})")

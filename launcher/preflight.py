@@ -107,3 +107,33 @@ def check_resume(cfg: RunConfig, where: str) -> None:
     if diffs:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
                           f"({'; '.join(diffs)}); use a new run_dir, or convert the checkpoint")
+    check_resume_data(cfg, saved, where)
+
+
+def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
+    """Refuse to resume when the run's data would be prepared again: its checkpoints were trained
+    with the SentencePiece model in run_dir/data, and preparing again (another data key of
+    DataConfig.preparation_key, or corpus files whose names, sizes or modification times changed)
+    replaces it, so the checkpoints would go on with another tokenizer (and vocabulary size)."""
+    from data.errors import DataError
+    from data.prepare import corpus_fingerprint, load_manifest
+
+    now = cfg.data.preparation_key()
+    before = saved.get("data", {})
+    diffs = [f"data.{key}: {before.get(key)!r} → {value!r}" for key, value in now.items()
+             if key in before and before[key] != value]
+    if diffs:
+        raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained on data prepared with other settings "
+                          f"({'; '.join(diffs)}); preparing it again would give its checkpoints another "
+                          f"tokenizer: restore those settings, or use a new run_dir")
+    data_dir = os.path.join(cfg.run_dir, "data")
+    try:
+        prepared = load_manifest(data_dir).get("corpus_fingerprint")
+        current = corpus_fingerprint(cfg.data)
+    except (DataError, OSError, ValueError):
+        return  # no usable preparation, or an unreadable corpus: `prepare` reports it
+    if prepared is not None and prepared != current:
+        raise ConfigError(f"{where}: the corpus {cfg.data.corpus} changed since {data_dir} was prepared for this "
+                          f"run's checkpoints (file names, sizes or modification times differ); preparing it again "
+                          f"would give them another tokenizer: restore the files (copies keep their times with "
+                          f"cp -p or rsync -a), or use a new run_dir")

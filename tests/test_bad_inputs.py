@@ -58,6 +58,16 @@ def resumed_with(change: dict, saved_text: str | None = None) -> callable:
     return make
 
 
+def resumed_after_corpus_changed(tmp_path):
+    """A run directory trained with the good config whose data was prepared from corpus files
+    that have changed since (its manifest's fingerprint is not the corpus's now)."""
+    text = resumed_with({})(tmp_path)
+    data = tmp_path / "old" / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"corpus_fingerprint": "files as they were"}))
+    return text
+
+
 def run_dir_is_file(tmp_path):
     (tmp_path / "taken").write_text("x")
     cfg = base_config(tmp_path)
@@ -184,6 +194,9 @@ CONFIG_CASES = [
     ("resume-other-shape", resumed_with({"model": {"d_model": 64}}), ["model.d_model: 32 → 64", "new run_dir"]),
     ("resume-other-layout", resumed_with({"parallel": {"pipeline_stages": 3}}), ["parallel.pipeline_stages: 2 → 3"]),
     ("resume-damaged-config-json", resumed_with({}, "{garbage"), ["config.json", "damaged"]),
+    ("resume-other-vocab", resumed_with({"data": {"vocab_size": 500}}), ["data.vocab_size", "→ 500", "tokenizer"]),
+    ("resume-other-languages", resumed_with({"data": {"languages": ["fr"]}}), ["data.languages", "tokenizer"]),
+    ("resume-corpus-files-changed", resumed_after_corpus_changed, ["corpus", "changed", "tokenizer", "new run_dir"]),
     ("cluster-nodes-missing", with_key("clusters", {"big": {"gpus_per_node": 2}}), ["clusters.big", "nodes is required"]),
     ("cluster-nodes-0", with_key("clusters", {"big": {"nodes": 0, "gpus_per_node": 2}}), ["clusters.big", "nodes"]),
 ]
