@@ -16,6 +16,8 @@ request of a batch may ask for a different target language.
 """
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -44,6 +46,8 @@ class DecodeOptions:
     def validate(self) -> None:
         if self.beam < 1:
             raise ValueError(f"beam={self.beam} must be >= 1")
+        if not math.isfinite(self.lenpen) or not math.isfinite(self.max_len_a):
+            raise ValueError(f"lenpen={self.lenpen} and max_len_a={self.max_len_a} must be finite numbers")
         if self.max_tokens < 1 or self.max_len_a < 0 or self.max_len_b < 0:
             raise ValueError("max_tokens must be >= 1, max_len_a and max_len_b >= 0")
 

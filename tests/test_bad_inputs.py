@@ -271,3 +271,9 @@ def test_the_table_fails_against_a_broken_validator(tmp_path, capsys, no_launch,
     path = write_case(tmp_path, with_key("model.d_model", 0))
     with pytest.raises(RankLaunched):
         assert_one_line_error(*run_cli(["train", path], capsys), ["model.d_model"])
+
+
+def test_a_negative_eval_sentences_count_is_refused(tmp_path, capsys, no_launch):
+    path = write_case(tmp_path, yaml.safe_dump(base_config(tmp_path)))
+    assert_one_line_error(*run_cli(["train", path, "--eval-sentences", "-3"], capsys), ["--eval-sentences -3"])
+    assert not (tmp_path / "run").exists()

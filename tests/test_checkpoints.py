@@ -124,6 +124,32 @@ def test_translate_keeps_lines_and_refuses_unknown_languages(trained, tmp_path, 
     assert "xx" in capsys.readouterr().err
 
 
+def test_translate_refuses_bad_text_and_paths_with_one_line_and_writes_nothing(trained, tmp_path, capsys,
+                                                                               monkeypatch):
+    import io
+
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_bytes("Delete\n".encode() + b"caf\xe9 ok\n")
+    src_bytes = src.read_bytes()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    cases = [(["-i", str(src), "-o", str(out)], "in.txt line 2 is not UTF-8 (byte 0xe9 at column 4)"),
+             (["-i", str(src), "-o", str(folder)], "is a folder"),
+             (["-i", str(folder)], "is a folder"),
+             (["-i", str(src), "-o", str(tmp_path / "nowhere" / "x.txt")], "does not exist"),
+             (["-i", str(src), "-o", str(src)], "is the --input file")]
+    for extra, words in cases:
+        assert cli(["translate", trained["run_dir"], "--to", "de", "--threads", "1", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["folder", "in.txt"] and not os.listdir(folder)
+    assert src.read_bytes() == src_bytes
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok\n\xff\n")))
+    assert cli(["translate", trained["run_dir"], "--to", "de", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "standard input line 2 is not UTF-8 (byte 0xff at column 1)" in err and "Traceback" not in err
+
+
 def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, monkeypatch, capsys):
     from sacrebleu.tokenizers import tokenizer_spm
 

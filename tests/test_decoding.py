@@ -187,3 +187,6 @@ def test_bad_requests_are_refused_with_a_clear_error():
         generate(model, [[4] * 65], DecodeOptions(), bos=BOS, eos=EOS)
     with pytest.raises(ValueError, match="beam"):
         generate(model, [[4, EOS]], DecodeOptions(beam=0), bos=BOS, eos=EOS)
+    for bad in ({"lenpen": float("nan")}, {"lenpen": float("inf")}, {"max_len_a": float("inf")}):
+        with pytest.raises(ValueError, match="must be finite"):
+            DecodeOptions(**bad).validate()

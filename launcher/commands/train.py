@@ -30,6 +30,8 @@ def gpu_count() -> int:
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
+    if args.eval_sentences < 0:
+        raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
     cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     check_run_dir(cfg, args.config)
     check_resume(cfg, args.config)

@@ -151,9 +151,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decoding_arguments(parser)
 
 
+class InputError(ValueError):
+    """Input text that cannot be translated (the message names the file and line)."""
+
+
+def utf8_lines(binary, name: str):
+    """The lines of a binary stream as text without their line ends; a line that is not UTF-8
+    raises InputError naming `name`, the line and the byte."""
+    for number, raw in enumerate(binary, 1):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{name} line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                             f"convert the text to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def translate_stream(translator: Translator, source, sink, language: str, options) -> tuple[int, int]:
-    """Translate the lines of `source` into `language`, writing them to `sink` chunk by chunk;
-    returns (lines, generated tokens)."""
+    """Translate the lines of `source` (text, without line ends) into `language`, writing them
+    to `sink` chunk by chunk; returns (lines, generated tokens)."""
     lines = tokens = 0
     bar = progress_bar(0, f"→ {language}")
     try:
@@ -172,33 +187,57 @@ def translate_stream(translator: Translator, source, sink, language: str, option
     return lines, tokens
 
 
+def check_paths(input_path: str | None, output_path: str | None) -> None:
+    """--input names a readable file and --output a file (not a folder, not the input) in an
+    existing folder: checked before the model is loaded."""
+    if input_path is not None:
+        if os.path.isdir(input_path):
+            raise ValueError(f"--input {input_path} is a folder; give a text file, one sentence per line")
+        if not os.path.isfile(input_path):
+            raise ValueError(f"--input {input_path}: no such file")
+    if output_path is not None:
+        if os.path.isdir(output_path):
+            raise ValueError(f"--output {output_path} is a folder; give a file name for the translations")
+        folder = os.path.dirname(os.path.abspath(output_path))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--output {output_path}: folder {folder} does not exist")
+        if input_path is not None and os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+            raise ValueError(f"--output {output_path} is the --input file; write the translations to another file")
+
+
 def run(args: argparse.Namespace) -> int:
     from parallel.checkpoints import CheckpointError
 
     try:
+        check_paths(args.input, args.output)
         options = decode_options(args)
         translator = load_translator(args.model, args.tag)
         translator.check_language(args.to)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.input and not os.path.isfile(args.input):
-        print(f"error: --input {args.input}: no such file", file=sys.stderr)
-        return 2
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        source = stack.enter_context(open(args.input, encoding="utf-8")) if args.input else sys.stdin
-        if not args.output:
-            lines, tokens = translate_stream(translator, source, sys.stdout, args.to, options)
-        else:  # written under a temporary name: no half-written output file
-            tmp = f"{args.output}.tmp"
-            try:
-                with open(tmp, "w", encoding="utf-8") as sink:
-                    lines, tokens = translate_stream(translator, source, sink, args.to, options)
-            except BaseException:
-                os.remove(tmp)
-                raise
-            os.replace(tmp, args.output)
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.input:
+                source = utf8_lines(stack.enter_context(open(args.input, "rb")), f"--input {args.input}")
+            else:
+                source = utf8_lines(sys.stdin.buffer, "standard input")
+            if not args.output:
+                lines, tokens = translate_stream(translator, source, sys.stdout, args.to, options)
+            else:  # written under a temporary name: no half-written output file
+                tmp = f"{args.output}.tmp"
+                try:
+                    with open(tmp, "w", encoding="utf-8") as sink:
+                        lines, tokens = translate_stream(translator, source, sink, args.to, options)
+                    os.replace(tmp, args.output)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     seconds = time.perf_counter() - start
     note = f", {translator.truncated} over-long sources truncated" if translator.truncated else ""
     print(f"translated {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} sentences/s, "
