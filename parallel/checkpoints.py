@@ -22,6 +22,7 @@ of the pipeline module carry the layer's plan index, not its stage, so they do n
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -189,8 +190,13 @@ def consolidate(source: str, out_path: str, tag: str | None = None) -> dict:
     package = consolidated_dict(source, tag)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
-    torch.save(package, tmp)
-    os.replace(tmp, out_path)
+    try:
+        torch.save(package, tmp)
+        os.replace(tmp, out_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     return package["source"]
 
 

@@ -71,6 +71,21 @@ def test_consolidated_file_reproduces_the_pipeline_logits(trained, tmp_path):
         assert torch.equal(direct[name], value), name
 
 
+def test_consolidate_never_overwrites_unasked_nor_leaves_a_partial_file(trained, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for out, words in ((notes, "exists"), (folder, "is a folder")):
+        assert cli(["convert", "consolidate", trained["run_dir"], "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and words in err and err.count("\n") == 1, err
+    assert notes.read_text() == "keep me" and sorted(os.listdir(tmp_path)) == ["folder", "notes.txt"]
+    assert not os.listdir(folder)
+    assert cli(["convert", "consolidate", trained["run_dir"], "--out", str(notes), "--force"]) == 0
+    assert load_model(str(notes)).meta["source"]["step"] == STEPS and sorted(os.listdir(tmp_path)) == ["folder", "notes.txt"]
+
+
 def test_universal_checkpoint_consolidates_to_the_same_weights(trained):
     # The resharded run directory holds only the universal checkpoint made from step 2.
     universal = load_model(trained["run_dir"] + "-pp1dp2")

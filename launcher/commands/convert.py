@@ -15,7 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     one = sub.add_parser("consolidate", help="write one file: model config, weights, SentencePiece model")
     one.add_argument("source", help="run directory, its checkpoints/ folder, or one checkpoint folder")
     one.add_argument("--tag", help="checkpoint tag (default: latest)")
-    one.add_argument("--out", help="output file (default RUN_DIR/model-<tag>.pt)")
+    one.add_argument("--out", help="output file (default RUN_DIR/model-<tag>.pt); an existing one is replaced only "
+                                   "with --force")
+    one.add_argument("--force", action="store_true", help="replace an existing --out file")
     re = sub.add_parser("reshard", help="a new run directory whose checkpoint resumes at another layout")
     re.add_argument("source", help="run directory, its checkpoints/ folder, or one checkpoint folder")
     re.add_argument("out_run_dir", help="new run directory (must not hold checkpoints yet)")
@@ -32,6 +34,11 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         if args.action == "consolidate":
+            if args.out and os.path.isdir(args.out):
+                raise CheckpointError(f"--out {args.out} is a folder; give a file name, e.g. "
+                                      f"{os.path.join(args.out, 'model.pt')}")
+            if args.out and os.path.exists(args.out) and not args.force:
+                raise CheckpointError(f"--out {args.out} exists; choose another file, or pass --force to replace it")
             run_dir, _, tag = locate(args.source, args.tag)
             out = args.out or os.path.join(run_dir, f"model-{tag}.pt")
             source = consolidate(args.source, out, args.tag)
