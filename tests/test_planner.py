@@ -150,6 +150,13 @@ def test_plan_command_rejects_bad_input(capsys):
     assert "--mfu" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["plan", "deepnet-48-48", "--gpus", "8", "--gpu", "tpu-v5"])
+    base = ["plan", "deepnet-48-48", "--gpus", "16", "--gpu", "a100-80gb"]
+    for flag, value in (("--seq-len", "0"), ("--inter-bw", "-5"), ("--intra-bw", "0"), ("--inter-bw", "nan"),
+                        ("--global-batch-tokens", "-1"), ("--tokens", "-5"), ("--top", "0"),
+                        ("--microbatch-tokens", "0,-5")):
+        assert cli_main(base + [f"{flag}={value}"]) == 2, (flag, value)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and flag in err and err.count("\n") == 1, err
 
 
 def test_without_zero_adam_state_is_unsharded_and_one_replica_makes_no_step_copies():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from launcher.config import ConfigError
@@ -132,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("give --tokens or --flops, not both")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError("--mfu must be in (0, 1]")
+    for flag, value in (("--seq-len", args.seq_len), ("--global-batch-tokens", args.global_batch_tokens),
+                        ("--top", args.top), ("--nodes", args.nodes), ("--tokens", args.tokens),
+                        ("--flops", args.flops), ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} {value}: must be a positive number")
     model = load_model(args.model)
     from parallel.devices import kernel_efficiency
 
@@ -141,18 +147,20 @@ def run(args: argparse.Namespace) -> int:
         if args.gpus % args.nodes:
             raise ConfigError(f"--nodes {args.nodes} must divide --gpus {args.gpus}")
         overrides["gpus_per_node"] = args.gpus // args.nodes
-    if args.intra_bw:
+    if args.intra_bw is not None:
         overrides["intra_gbs"] = args.intra_bw
-    if args.inter_bw:
+    if args.inter_bw is not None:
         overrides["inter_node_gbs"] = args.inter_bw
     dev = device(args.gpu, **overrides)
     precision = args.precision or DEFAULT_PRECISION[args.gpu]
     if precision not in dev.peak_tflops or precision == "fp32":
         raise ConfigError(f"--precision {precision}: {dev.name} trains in {DEFAULT_PRECISION[args.gpu]}")
     try:
-        mb_tokens = tuple(int(x) for x in args.microbatch_tokens.split(","))
+        mb_tokens = tuple(dict.fromkeys(int(x) for x in args.microbatch_tokens.split(",")))
     except ValueError:
         raise ConfigError("--microbatch-tokens: comma-separated integers, e.g. 2048,4096") from None
+    if min(mb_tokens) < 1:
+        raise ConfigError(f"--microbatch-tokens {args.microbatch_tokens}: every value must be >= 1")
     fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
                            seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
     keep = [_ints(args.pp, "--pp"), _ints(args.tp, "--tp")]
