@@ -150,6 +150,7 @@ def test_plan_command_rejects_bad_input(capsys):
     assert "--mfu" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["plan", "deepnet-48-48", "--gpus", "8", "--gpu", "tpu-v5"])
+    capsys.readouterr()
     base = ["plan", "deepnet-48-48", "--gpus", "16", "--gpu", "a100-80gb"]
     for flag, value in (("--seq-len", "0"), ("--inter-bw", "-5"), ("--intra-bw", "0"), ("--inter-bw", "nan"),
                         ("--global-batch-tokens", "-1"), ("--tokens", "-5"), ("--top", "0"),
