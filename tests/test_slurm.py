@@ -90,6 +90,22 @@ def test_layout_that_does_not_match_the_nodes_is_refused_naming_the_flags(tmp_pa
     assert code == 2 and "no clusters: section" in capsys.readouterr().err
 
 
+def test_bad_job_flags_are_refused_naming_the_flag_and_write_no_script(tmp_path, capsys):
+    from launcher.commands.slurm import slurm_seconds
+
+    assert [slurm_seconds(t) for t in ("30", "1:30", "2:00:00", "1-12", "1-00:30", "2-00:00:05")] == \
+        [1800, 90, 7200, 129600, 88200, 172805]
+    assert slurm_seconds("UNLIMITED") == float("inf")
+    cases = [(["--cpus-per-task=0"], "--cpus-per-task 0"), (["--cpus-per-task=-3"], "--cpus-per-task -3"),
+             (["--tasks-per-node=0"], "--tasks-per-node 0"), (["--time", "forever"], "--time forever"),
+             (["--time", "1:00"], "not longer than --signal-before 300"), (["--time", "1-2-3"], "--time 1-2-3")]
+    for flags, words in cases:
+        code, _, script = generate(tmp_path, CONFIG, "--nodes", "2", "--gpus-per-node", "0", *flags)
+        err = capsys.readouterr().err
+        assert code == 2 and script == "" and err.startswith("error: ") and words in err, (flags, err)
+    assert not os.path.exists(os.path.join(tmp_path, "run", "slurm"))
+
+
 def test_srun_task_variables_become_torch_rank_variables():
     from parallel.engine import slurm_rank_env
 

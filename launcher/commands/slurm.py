@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import shutil
@@ -62,6 +63,45 @@ def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int
     return nodes, gpus, tasks
 
 
+def slurm_seconds(limit: str) -> float:
+    """Seconds of a SLURM time limit (sbatch --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S;
+    UNLIMITED or infinite: inf); ValueError for anything else."""
+    text = limit.strip()
+    if text.lower() in ("unlimited", "infinite"):
+        return math.inf
+    days, _, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if not all(part.isdigit() for part in parts + ([days] if days else [])) or len(parts) > 3:
+        raise ValueError(limit)
+    numbers = [int(part) for part in parts]
+    if days:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(numbers) == 1:
+        return numbers[0] * 60.0
+    if len(numbers) == 2:
+        return numbers[0] * 60.0 + numbers[1]
+    return (numbers[0] * 60 + numbers[1]) * 60.0 + numbers[2]
+
+
+def _check_job_flags(args: argparse.Namespace) -> None:
+    for flag, value in (("--tasks-per-node", args.tasks_per_node), ("--cpus-per-task", args.cpus_per_task)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    if args.signal_before < 1:
+        raise ConfigError("--signal-before must be at least 1 second")
+    if args.time is not None:
+        try:
+            seconds = slurm_seconds(args.time)
+        except ValueError:
+            raise ConfigError(f"--time {args.time}: not a SLURM time limit; use minutes, M:S, H:M:S, D-H, D-H:M "
+                              "or D-H:M:S (e.g. 2-00:00:00)") from None
+        if seconds <= args.signal_before:
+            raise ConfigError(f"--time {args.time} ({seconds:.0f} s) is not longer than --signal-before "
+                              f"{args.signal_before} s: the checkpoint signal would come before the job starts "
+                              "training; raise --time or lower --signal-before")
+
+
 def _command_line(args: argparse.Namespace) -> str:
     """The ./run.sh command with the flags that were given, for the script's header."""
     words = ["./run.sh", "slurm", args.config]
@@ -77,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"run_dir": args.run_dir} if args.run_dir else None
     cfg = load_config(args.config, overrides, cluster=args.cluster)
     cluster = cfg.clusters.get(args.cluster) if args.cluster else None
+    _check_job_flags(args)
     nodes, gpus, tasks = _layout_flags(args, cfg, cluster)
-    if args.signal_before < 1:
-        raise ConfigError("--signal-before must be at least 1 second")
     run_dir = os.path.abspath(cfg.run_dir)
     cfg.run_dir = run_dir
     p = cfg.parallel
