@@ -83,6 +83,33 @@ class CheckpointLifecycle:
             print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout "
                   "or an older version): this rank's dropout masks start afresh", flush=True)
         self.history = client["history"]
+        self.apply_optimizer_config()
+
+    def apply_optimizer_config(self) -> None:
+        """The config's AdamW settings over the ones the checkpoint restored. DeepSpeed reloads the
+        optimizer's param_groups and the scheduler's base_lrs with the checkpoint, so a train.lr,
+        weight_decay, adam_betas or adam_eps changed for the resume (e.g. a lower lr after a
+        divergence stop) would otherwise be ignored without a word. The schedule's shape (warm-up)
+        comes from the config already; its position (the step) from the checkpoint."""
+        t = self.cfg.train
+        scheduler, groups = self.engine.lr_scheduler, self.engine.optimizer.param_groups
+        wanted = {"weight_decay": t.weight_decay, "betas": tuple(t.adam_betas), "eps": t.adam_eps}
+        changed = []
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and any(b != t.lr for b in scheduler.base_lrs):
+            changed.append(f"train.lr {scheduler.base_lrs[0]:g} → {t.lr:g}")
+            scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
+            lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(groups, lrs):  # what LambdaLR's step would have set at this step
+                group["lr"] = lr
+            scheduler._last_lr = lrs
+        for key, value in wanted.items():
+            old = groups[0].get(key)
+            if old is not None and (tuple(old) if key == "betas" else old) != value:
+                changed.append(f"train.{'adam_' + key if key in ('betas', 'eps') else key} {old} → {value}")
+                for group in groups:
+                    group[key] = value
+        if changed:
+            log0(f"resumed with the config's {', '.join(changed)} (the checkpoint had the old values)")
 
     def weights_finite(self) -> bool:
         """All ranks agree whether every loaded parameter is finite."""
