@@ -27,9 +27,8 @@ import statistics
 
 import torch
 
+from launcher.procs import DIVERGED_EXIT_CODE  # noqa: F401 (the exit code of a divergence stop)
 from parallel.layout import Layout
-
-DIVERGED_EXIT_CODE = 3
 
 
 class DivergenceStop(RuntimeError):

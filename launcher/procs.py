@@ -37,6 +37,7 @@ import threading
 import time
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: checkpointed on request, to be resumed
+DIVERGED_EXIT_CODE = 3  # every rank stopped at the same diverged step (launcher/guard.py), not a crash
 OWNER_ENV = "DEEPNET_OWNER_PID"
 PR_SET_PDEATHSIG = 1
 KILL_AFTER = 5.0  # seconds a rank gets to leave after an immediate stop before it is killed
@@ -154,7 +155,7 @@ class Supervisor:
                 self.vanished.setdefault(pid, rank)
                 continue
             code = status >> 8 if status & 0x7F == 0 else -(status & 0x7F)
-            if code in (0, PREEMPTED_EXIT_CODE):
+            if code in (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE):  # ends the other ranks reach too
                 continue
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             self.dead_rank = (rank, pid)
@@ -200,7 +201,8 @@ class Supervisor:
             self._reap_group()
             for s, h in previous.items():
                 signal.signal(s, h)
-        if rc not in (0, PREEMPTED_EXIT_CODE) and not self.dead_rank and not self.signals and self.vanished:
+        if rc not in (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE) and not self.dead_rank and not self.signals \
+                and self.vanished:
             first = next(iter(self.vanished.items()))  # in the order they were seen gone
             self.log(f"rank {first[1]} (PID {first[0]}) ended first; the deepspeed launcher stopped the others")
         if self.signals and rc != PREEMPTED_EXIT_CODE:

@@ -191,6 +191,7 @@ class Trainer(CheckpointLifecycle):
         if self.step >= self.max_steps:
             log0(f"run already at step {self.step} = train.max_steps; raise train.max_steps to continue")
         window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
+        self.started = t0
         while self.step < self.max_steps:
             out = self.train_step()
             if out["divergence"] and self.on_divergence(out["divergence"]):
@@ -232,9 +233,12 @@ class Trainer(CheckpointLifecycle):
         what = f"step {self.step}: {event['reason']} (grad norm {norm}); the update was not applied"
         self.engine.monitor.write_events([("train/divergence_events", count, self.step)])
         if policy == "stop":
+            tags = manifest.committed_tags(self.ckpt_dir)
+            rerun = (f"rerunning resumes from {tags[0]} with the new settings" if tags
+                     else "no checkpoint was saved yet, so rerunning starts afresh")
             raise DivergenceStop(f"{what} and nothing was saved. train.divergence_policy=stop: lower train.lr, "
                                  "raise train.warmup_steps or set train.clip_norm, or choose the skip or "
-                                 "rollback policy; rerunning resumes from the last checkpoint")
+                                 f"rollback policy; {rerun}")
         if count > self.cfg.train.divergence_max_events:
             raise DivergenceStop(f"{what}: divergence event {count} of this run exceeds "
                                  f"train.divergence_max_events={self.cfg.train.divergence_max_events}; stopping")
@@ -276,7 +280,9 @@ class Trainer(CheckpointLifecycle):
         procs.stop.saved = True
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
-    def summary(self, wall: float) -> dict:
+    def summary(self, wall: float, stopped: str | None = None) -> dict:
+        """Write run_dir/summary.json (rank 0) and print it; `stopped`: why the run ended early
+        (a divergence stop), kept in the file."""
         valid = self.history["valid"]
         tps = self.history["tokens_per_s"]
         summary = {
@@ -285,24 +291,36 @@ class Trainer(CheckpointLifecycle):
             "last_valid_loss": valid[-1][1] if valid else None,
             "mean_target_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "wall_seconds_this_launch": wall,
-            "checkpoint": os.path.join(self.ckpt_dir, f"step{self.step}"),
+            "checkpoint": (os.path.join(self.ckpt_dir, manifest.committed_tags(self.ckpt_dir)[0])
+                           if manifest.committed_tags(self.ckpt_dir) else None),
             "divergence_events": len(self.guard.events),
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
                        "data_parallel": self.layout.dp},
+            "stopped": stopped,
         }
         if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             print("\n== summary ==", flush=True)
-            print(f"steps {summary['steps']} | valid loss {summary['first_valid_loss']:.4f} → "
-                  f"{summary['last_valid_loss']:.4f} | target tokens/s "
+            losses = " → ".join(f"{v:.4f}" for v in (summary["first_valid_loss"], summary["last_valid_loss"])
+                                if v is not None) or "none"
+            print(f"steps {summary['steps']} | valid loss {losses} | target tokens/s "
                   f"{summary['mean_target_tokens_per_s'] or 0:.0f} | {wall:.0f} s this launch")
             print(f"checkpoint: {summary['checkpoint']}", flush=True)
             if self.guard.events:
                 print(f"divergence events: {len(self.guard.events)} (policy {self.cfg.train.divergence_policy}; "
                       "listed in summary.json)", flush=True)
         return summary
+
+
+def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
+    """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
+    summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
+    if trainer is not None and hasattr(trainer, "started"):
+        trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
+    if torch.distributed.get_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
 
 
 _run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)
@@ -346,8 +364,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(cfg)
         trainer.run()
     except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
-        if rank == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        record_divergence_stop(trainer, e)
         exit_rank(DIVERGED_EXIT_CODE)
     except SystemExit as e:
         if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier

@@ -76,6 +76,10 @@ def test_divergence_stop_applies_nothing_and_saves_nothing(worker):
     assert r["unchanged_by_bad_step"]  # the NaN step's update was never applied
     assert r["latest"] == "step2" and r["tags"] == ["step2"]
     assert len(r["events"]) == 1
+    assert "rerunning resumes from step2 with the new settings" in r["stopped"]
+    summary = r["summary"]  # written on the way out, with the event and the reason
+    assert summary["stopped"] == f"divergence: {r['stopped']}" and summary["divergence_events"] == 1
+    assert summary["steps"] == 3 and summary["checkpoint"].endswith("step2")  # stopped at 3, saved at 2
 
 
 def test_divergence_skip_drops_the_spike_and_keeps_training(worker):

@@ -168,6 +168,10 @@ def divergence_run(cfg, policy: str, at: int, factor: float, max_steps: int) -> 
         out["stopped"] = None
     except DivergenceStop as e:
         out["stopped"] = str(e)
+        train_mod.record_divergence_stop(t, e)  # as launcher/train.py's main does before exiting 3
+        if is0():
+            with open(os.path.join(cfg.run_dir, "summary.json")) as f:
+                out["summary"] = json.load(f)
     finally:
         train_mod.to_pipe = poison.original
     snaps = poison.snapshots
