@@ -56,6 +56,8 @@ class CheckpointLifecycle:
                 self.set_aside(damaged)
             else:
                 log0(f"resumed from {tag_dir} at step {self.step} (verified)")
+                if why and self.layout.rank == 0:  # `latest` named nothing usable: name the one resumed
+                    manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
             return
         listed = ", ".join(tags) or "none"
         raise SystemExit(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
@@ -123,9 +125,11 @@ class CheckpointLifecycle:
         if self.layout.rank == 0:
             aside = os.path.join(self.ckpt_dir, "damaged")
             os.makedirs(aside, exist_ok=True)
-            for tag in tags:
-                shutil.rmtree(os.path.join(aside, tag), ignore_errors=True)
-                os.replace(os.path.join(self.ckpt_dir, tag), os.path.join(aside, tag))
+            for tag in tags:  # an earlier damaged copy of the same step is kept: the new one gets a suffix
+                name, n = tag, 1
+                while os.path.lexists(os.path.join(aside, name)):
+                    name, n = f"{tag}.{n}", n + 1
+                os.replace(os.path.join(self.ckpt_dir, tag), os.path.join(aside, name))
             good = manifest.newest_committed(self.ckpt_dir)
             if good:
                 manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), good)

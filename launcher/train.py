@@ -133,6 +133,8 @@ class Trainer(CheckpointLifecycle):
                 log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
         if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
+            with contextlib.suppress(FileNotFoundError):  # a one-node run's earlier preemption, now resumed
+                os.remove(os.path.join(cfg.run_dir, PREEMPTED_MARKER))
         # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
         # with the step on resume.
         self.step_blocks = step_blocks(self.module)

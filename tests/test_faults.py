@@ -63,6 +63,8 @@ def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(worker, case, re
     assert got["losses"] == pytest.approx(r["uninterrupted"][resumed:resumed + 2], rel=1e-6)
     assert re.search(expect, worker["log"]), f"no message matching {expect!r}"
     assert "Traceback" not in worker["log"]
+    if case.startswith("latest_"):  # the bad hint is replaced by the checkpoint resumed
+        assert got["latest_after_resume"] == f"step{resumed}"
 
 
 def test_no_intact_checkpoint_stops_with_a_message(worker):

@@ -108,7 +108,10 @@ def damage_cases(cfg) -> dict:
             damage(ck)
         barrier()
         t = Trainer(cfg, max_steps=6)
-        cases[name] = {"resumed": t.step, "losses": steps(t, 2)}
+        barrier()
+        with open(os.path.join(ck, "latest"), "rb") as f:
+            latest = f.read().decode("utf-8", "replace")
+        cases[name] = {"resumed": t.step, "latest_after_resume": latest, "losses": steps(t, 2)}
         del t
     # nothing intact: step2 and step4 both lose a file
     restore()
