@@ -163,6 +163,9 @@ def test_translate_refuses_bad_text_and_paths_with_one_line_and_writes_nothing(t
     assert cli(["translate", trained["run_dir"], "--to", "de", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert "standard input line 2 is not UTF-8 (byte 0xff at column 1)" in err and "Traceback" not in err
+    assert cli(["eval", trained["run_dir"], "--out-dir", str(src), "--threads", "1"]) == 2  # before loading
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out-dir") and "is a file" in err and src.read_bytes() == src_bytes
 
 
 def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, monkeypatch, capsys):
