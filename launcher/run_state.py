@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from launcher.config import to_dict
+from launcher.preflight import resume_differences
 from parallel import manifest, rng
 
 
@@ -95,7 +96,8 @@ class CheckpointLifecycle:
         comes from the config already; its position (the step) from the checkpoint."""
         t = self.cfg.train
         scheduler, groups = self.engine.lr_scheduler, self.engine.optimizer.param_groups
-        wanted = {"weight_decay": t.weight_decay, "betas": tuple(t.adam_betas), "eps": t.adam_eps}
+        wanted = {"weight_decay": ("weight_decay", t.weight_decay), "betas": ("adam_betas", tuple(t.adam_betas)),
+                  "eps": ("adam_eps", t.adam_eps)}  # param_group key: (train.* key, value)
         changed = []
         if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and any(b != t.lr for b in scheduler.base_lrs):
             changed.append(f"train.lr {scheduler.base_lrs[0]:g} → {t.lr:g}")
@@ -104,10 +106,10 @@ class CheckpointLifecycle:
             for group, lr in zip(groups, lrs):  # what LambdaLR's step would have set at this step
                 group["lr"] = lr
             scheduler._last_lr = lrs
-        for key, value in wanted.items():
+        for key, (name, value) in wanted.items():
             old = groups[0].get(key)
             if old is not None and (tuple(old) if key == "betas" else old) != value:
-                changed.append(f"train.{'adam_' + key if key in ('betas', 'eps') else key} {old} → {value}")
+                changed.append(f"train.{name} {old} → {value}")
                 for group in groups:
                     group[key] = value
         if changed:
@@ -142,13 +144,9 @@ class CheckpointLifecycle:
             return
         with open(saved_cfg) as f:
             saved = json.load(f)
-        now = to_dict(self.cfg)
-        # Activation checkpointing and precision may change between launches; these may not.
-        fixed = [("model", key) for key in now["model"] if key != "vocab_size"]
-        fixed += [("parallel", key) for key in ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage",
-                                                 "partition_method")]
-        diffs = [f"{section}.{key}: {saved[section].get(key)!r} → {now[section][key]!r}"
-                 for section, key in fixed if saved[section].get(key) != now[section][key]]
+        # Activation checkpointing and precision may change between launches; the model and the
+        # layout may not (the same rule as ./run.sh's check before launching).
+        diffs = resume_differences(saved, to_dict(self.cfg))
         if diffs:
             raise SystemExit(f"error: {self.ckpt_dir} was trained with another model or layout "
                              f"({'; '.join(diffs)}). Use a new run_dir, or convert the checkpoint.")

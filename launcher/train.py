@@ -95,6 +95,7 @@ class Trainer(CheckpointLifecycle):
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+        self.started: float | None = None  # when run() began its steps (summary's wall time)
         data_manifest = load_manifest(self.data_dir)
         cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
         # Checkpoints with a manifest are this trainer's (verified on resume); a run directory made
@@ -235,8 +236,8 @@ class Trainer(CheckpointLifecycle):
         what = f"step {self.step}: {event['reason']} (grad norm {norm}); the update was not applied"
         self.engine.monitor.write_events([("train/divergence_events", count, self.step)])
         if policy == "stop":
-            tags = manifest.committed_tags(self.ckpt_dir)
-            rerun = (f"rerunning resumes from {tags[0]} with the new settings" if tags
+            newest = manifest.newest_committed(self.ckpt_dir)
+            rerun = (f"rerunning resumes from {newest} with the new settings" if newest
                      else "no checkpoint was saved yet, so rerunning starts afresh")
             raise DivergenceStop(f"{what} and nothing was saved. train.divergence_policy=stop: lower train.lr, "
                                  "raise train.warmup_steps or set train.clip_norm, or choose the skip or "
@@ -287,14 +288,14 @@ class Trainer(CheckpointLifecycle):
         (a divergence stop), kept in the file."""
         valid = self.history["valid"]
         tps = self.history["tokens_per_s"]
+        newest = manifest.newest_committed(self.ckpt_dir)
         summary = {
             "steps": self.step,
             "first_valid_loss": valid[0][1] if valid else None,
             "last_valid_loss": valid[-1][1] if valid else None,
             "mean_target_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "wall_seconds_this_launch": wall,
-            "checkpoint": (os.path.join(self.ckpt_dir, manifest.committed_tags(self.ckpt_dir)[0])
-                           if manifest.committed_tags(self.ckpt_dir) else None),
+            "checkpoint": newest and os.path.join(self.ckpt_dir, newest),
             "divergence_events": len(self.guard.events),
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
@@ -319,7 +320,7 @@ class Trainer(CheckpointLifecycle):
 def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
     """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
     summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
-    if trainer is not None and hasattr(trainer, "started"):
+    if trainer is not None and trainer.started is not None:  # stopped inside run()
         trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
     if torch.distributed.get_rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)

@@ -17,7 +17,6 @@ request of a batch may ask for a different target language.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
