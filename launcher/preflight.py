@@ -90,19 +90,44 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
             for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
 
 
+def saved_run_config(run_dir: str, log=print) -> dict | None:
+    """The config a run's checkpoints were trained with: run_dir/config.json, or, when that file is
+    missing or damaged, the copy every checkpoint's manifest holds (parallel/manifest.py), taken
+    from the newest committed checkpoint that has one and written back to config.json (one line
+    says so). None for a run without either (a new run, or checkpoints of an older version)."""
+    from parallel import manifest
+
+    saved_path = os.path.join(run_dir, "config.json")
+    damage = None
+    if os.path.isfile(saved_path):
+        try:
+            with open(saved_path, encoding="utf-8") as f:
+                saved = json.load(f)
+            if not isinstance(saved, dict):
+                raise ValueError("not a JSON object")
+            return saved
+        except (ValueError, OSError) as e:
+            damage = str(e)
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    for tag in manifest.committed_tags(ckpt_dir):
+        recorded = (manifest.read(os.path.join(ckpt_dir, tag)) or {}).get("config")
+        if isinstance(recorded, dict):
+            manifest.write_atomic(saved_path, json.dumps(recorded, indent=2))
+            log(f"{saved_path} was {'damaged (' + damage + ')' if damage else 'missing'}: restored from the "
+                f"manifest of checkpoint {tag}")
+            return recorded
+    if damage:
+        raise ConfigError(f"{saved_path} is damaged ({damage}) and no checkpoint's manifest holds the config; "
+                          "restore the file, or use a new run_dir")
+    return None
+
+
 def check_resume(cfg: RunConfig, where: str) -> None:
     """An existing run directory is resumed: refuse a config whose model or layout differs from
-    the one its checkpoints were trained with (run_dir/config.json), naming the keys."""
-    saved_path = os.path.join(cfg.run_dir, "config.json")
-    if not os.path.isfile(saved_path):
+    the one its checkpoints were trained with (`saved_run_config`), naming the keys."""
+    saved = saved_run_config(cfg.run_dir)
+    if saved is None:
         return
-    try:
-        with open(saved_path, encoding="utf-8") as f:
-            saved = json.load(f)
-        if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{saved_path} is damaged ({e}); restore it, or use a new run_dir") from None
     diffs = resume_differences(saved, to_dict(cfg))
     if diffs:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "

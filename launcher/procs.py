@@ -38,6 +38,8 @@ import time
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: checkpointed on request, to be resumed
 DIVERGED_EXIT_CODE = 3  # every rank stopped at the same diverged step (launcher/guard.py), not a crash
+NO_ROOM_EXIT_CODE = 4  # every rank stopped before a checkpoint the filesystem has no room for (run_state.py)
+AGREED_ENDS = (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE, NO_ROOM_EXIT_CODE)  # all ranks end alike
 OWNER_ENV = "DEEPNET_OWNER_PID"
 PR_SET_PDEATHSIG = 1
 KILL_AFTER = 5.0  # seconds a rank gets to leave after an immediate stop before it is killed
@@ -101,21 +103,28 @@ class Supervisor:
     def _signal_ranks(self, signum: int) -> None:
         self._find_ranks()
         for pid in list(self.ranks):
-            self.signalled.add(pid)
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+            self._deliver(pid, signum)
+
+    def _deliver(self, pid: int, signum: int) -> None:
+        """Send `signum` to a rank; a checkpoint signal waits until the rank handles it (a rank
+        still starting Python would die of it without a checkpoint): `_signal_late_ranks` retries."""
+        if signum in CHECKPOINT_SIGNALS and not handles(pid, signum):
+            return
+        self.signalled.add(pid)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _pending(self) -> bool:
+        return len(self.signals) == 1 and bool(set(self.ranks) - self.signalled)
 
     def _signal_late_ranks(self) -> None:
-        """Ranks the launcher started after the signal came get it too."""
-        if self.signals and len(self.signals) == 1:
+        """Ranks the launcher started after the signal came, or that were not handling it yet, get
+        it too."""
+        if self._pending():
             for pid in set(self.ranks) - self.signalled:
-                self.signalled.add(pid)
-                try:
-                    os.kill(pid, self.signals[0])
-                except ProcessLookupError:
-                    pass
+                self._deliver(pid, self.signals[0])
 
     def _killpg(self, signum: int) -> None:
         try:
@@ -155,7 +164,7 @@ class Supervisor:
                 self.vanished.setdefault(pid, rank)
                 continue
             code = status >> 8 if status & 0x7F == 0 else -(status & 0x7F)
-            if code in (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE):  # ends the other ranks reach too
+            if code in AGREED_ENDS:  # ends the other ranks reach too
                 continue
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             self.dead_rank = (rank, pid)
@@ -180,7 +189,7 @@ class Supervisor:
                 if now >= next_scan:  # the process tree: often until ranks appear, then rarely
                     self._find_ranks()
                     self._signal_late_ranks()
-                    next_scan = now + (2.0 if self.ranks else 0.1)
+                    next_scan = now + (2.0 if self.ranks and not self._pending() else 0.1)
                 if now >= next_check:  # one /proc read per rank
                     self._check_ranks()
                     next_check = now + 0.1
@@ -201,7 +210,7 @@ class Supervisor:
             self._reap_group()
             for s, h in previous.items():
                 signal.signal(s, h)
-        if rc not in (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE) and not self.dead_rank and not self.signals \
+        if rc not in AGREED_ENDS and not self.dead_rank and not self.signals \
                 and self.vanished:
             first = next(iter(self.vanished.items()))  # in the order they were seen gone
             self.log(f"rank {first[1]} (PID {first[0]}) ended first; the deepspeed launcher stopped the others")
@@ -216,6 +225,24 @@ class Supervisor:
                 self._killpg(signal.SIGKILL)
                 end = time.monotonic() + 60
             time.sleep(0.05)
+
+
+CHECKPOINT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a rank checkpoints and exits 75 (install_rank_handlers)
+
+
+def handles(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` installed (Linux: the SigCgt mask of
+    /proc/PID/status); True where /proc does not tell."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except FileNotFoundError:
+        return not os.path.exists("/proc/self/status")  # gone, or no procfs at all
+    except (OSError, ValueError):
+        pass
+    return True
 
 
 def _exit_status(pid: int):
@@ -295,6 +322,10 @@ def install_rank_handlers(grace_seconds: float) -> None:
     # collective (a Python handler would run only once the call returns); the supervisor says why.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    # A file-size limit (`ulimit -f`, some clusters set one) would kill the rank mid-write; ignored,
+    # the write fails with EFBIG instead and the checkpoint save reports it (launcher/run_state.py).
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def watch_owner() -> None:

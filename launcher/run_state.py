@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+
+try:
+    import resource
+except ImportError:  # not on every platform
+    resource = None
 
 import torch
 
-from launcher.config import to_dict
-from launcher.preflight import resume_differences
+from launcher.config import ConfigError, to_dict
+from launcher.preflight import resume_differences, saved_run_config
 from parallel import manifest, rng
 
 
@@ -139,11 +145,17 @@ class CheckpointLifecycle:
 
     def check_compatible(self) -> None:
         """Refuse, with the differing keys named, to resume a run whose model or layout changed."""
-        saved_cfg = os.path.join(self.cfg.run_dir, "config.json")
-        if not os.path.exists(saved_cfg):
+        saved = None
+        if self.layout.rank == 0:
+            try:
+                saved = saved_run_config(self.cfg.run_dir, log=log0)
+            except ConfigError as e:  # damaged, and no manifest holds a copy (./run.sh says so first)
+                saved = {"refused": str(e)}
+        saved = manifest.broadcast(saved)  # rank 0 read (and, if need be, restored) config.json
+        if saved is None:
             return
-        with open(saved_cfg) as f:
-            saved = json.load(f)
+        if "refused" in saved:
+            raise SystemExit(f"error: {saved['refused']}" if self.layout.rank == 0 else 1)
         # Activation checkpointing and precision may change between launches; the model and the
         # layout may not (the same rule as ./run.sh's check before launching).
         diffs = resume_differences(saved, to_dict(self.cfg))
@@ -154,7 +166,10 @@ class CheckpointLifecycle:
     def save(self) -> str:
         """Every rank writes its files, then the manifest commits them (parallel/manifest.py): only
         then does `latest` name this checkpoint. A folder of the same tag left by an earlier,
-        interrupted or damaged save is removed first."""
+        interrupted or damaged save is removed first; so is, when the filesystem is short of room,
+        what rotation would remove after this save anyway (`make_room`). A write that fails (a full
+        disk, a quota, a file-size limit) stops the run with one line per rank naming the checkpoint
+        and the reason; the previous checkpoints stay intact and the incomplete one is ignored."""
         tag = f"step{self.step}"
         tag_dir = os.path.join(self.ckpt_dir, tag)
         client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
@@ -162,12 +177,21 @@ class CheckpointLifecycle:
         if self.layout.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
         torch.distributed.barrier()
-        rng.save(tag_dir, self.layout.rank)
-        self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client, save_latest=False)
-        manifest.commit(self.ckpt_dir, tag, self.step)
+        self.make_room(tag)
+        try:
+            rng.save(tag_dir, self.layout.rank)
+            self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client, save_latest=False)
+        except (OSError, RuntimeError) as error:
+            reason = write_failure(error, self.ckpt_dir)
+            if reason is None:  # not a write (e.g. the other ranks are gone): the caller's handling
+                raise
+            # Its partial files stay until the next save of that step removes them: the other
+            # ranks may still be writing into the folder.
+            raise SystemExit(f"error: rank {self.layout.rank}: could not write checkpoint {tag} to {self.ckpt_dir} "
+                             f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}") from None
+        manifest.commit(self.ckpt_dir, tag, self.step, extra={"config": to_dict(self.cfg)})
         if self.layout.rank == 0:
-            with open(os.path.join(self.cfg.run_dir, "config.json"), "w") as f:
-                json.dump(to_dict(self.cfg), f, indent=2)
+            manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"), json.dumps(to_dict(self.cfg), indent=2))
             tags = manifest.committed_tags(self.ckpt_dir)  # newest first
             for old in tags[self.cfg.train.keep_checkpoints:]:
                 shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
@@ -175,3 +199,92 @@ class CheckpointLifecycle:
                 if int(old[4:]) < self.step:
                     shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
         return tag_dir
+
+    def _kept_text(self) -> str:
+        newest = manifest.newest_committed(self.ckpt_dir)
+        if newest:
+            return (f"The newest intact checkpoint, {newest}, is kept: make room (or move run_dir to a larger "
+                    f"filesystem) and rerun to resume from it")
+        return "No checkpoint was saved yet: make room and rerun (it starts afresh)"
+
+    def make_room(self, tag: str) -> None:
+        """Before writing `tag`: it needs about as much room as the newest committed checkpoint.
+        When any rank's filesystem has less free (plus 5%), delete now what this save would delete
+        anyway (committed checkpoints past train.keep_checkpoints, never the newest); when that is
+        still not enough, every rank stops before writing anything."""
+        committed = manifest.committed_tags(self.ckpt_dir)
+        need, free = _agreed_room(_tree_bytes(os.path.join(self.ckpt_dir, committed[0])) if committed else 0,
+                                  self.ckpt_dir, self.layout.device)
+        if not need or free >= need * ROOM_MARGIN:
+            return
+        removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
+        if self.layout.rank == 0 and removable:
+            for old in removable:
+                shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
+            log0(f"{_free_bytes(self.ckpt_dir) / 2**20:.0f} MB free after removing {', '.join(removable)} before saving {tag} (about "
+                 f"{need / 2**20:.0f} MB needed): rotation (train.keep_checkpoints="
+                 f"{self.cfg.train.keep_checkpoints}) would have removed them after this save")
+        need, free = _agreed_room(need, self.ckpt_dir, self.layout.device)  # also the barrier after the removal
+        if free >= need * ROOM_MARGIN:
+            return
+        raise NoRoomStop(f"error: not enough room for checkpoint {tag} in {self.ckpt_dir}: about "
+                         f"{need / 2**20:.0f} MB needed (the size of {committed[0]}), {free / 2**20:.0f} MB free; "
+                         f"nothing was written. {self._kept_text()}")
+
+
+class NoRoomStop(Exception):
+    """Every rank stops before writing a checkpoint that does not fit (exit NO_ROOM_EXIT_CODE)."""
+
+
+ROOM_MARGIN = 1.05  # a checkpoint's size changes little between steps; the margin covers its manifest
+
+
+def room_to_make(committed: list[str], keep: int) -> list[str]:
+    """The committed checkpoints (newest first) that may be deleted before the next save to make
+    room: those rotation would delete once it is committed (all but the newest keep − 1), never
+    the newest, which stays the one to resume from should the save fail."""
+    return committed[max(keep - 1, 1):]
+
+
+def write_failure(error: BaseException, where: str) -> str | None:
+    """Why writing a checkpoint into `where` failed, in a few words, or None when `error` is not a
+    failed write. torch's serializer reports a full disk or a file-size limit as a RuntimeError
+    ('file write failed', 'unexpected pos', 'iostream error') without the errno; an OSError keeps it.
+    The free space and any file-size limit of the process are added: they are the usual causes."""
+    if isinstance(error, OSError):
+        what = (error.strerror or str(error)).rstrip(".") + (f": {error.filename}" if error.filename else "")
+    elif isinstance(error, RuntimeError) and any(k in str(error) for k in (
+            "file write failed", "unexpected pos", "iostream error", "PytorchStreamWriter", "Parent directory")):
+        detail = re.sub(r"^\[enforce fail at [^\]]*\][ .]*", "", str(error).strip().splitlines()[-1])[:120]
+        what = f"torch could not write a file: {detail}"
+    else:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else -1
+    if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
+        what += f"; this process may write files of at most {limit / 2**20:.1f} MB (ulimit -f)"
+    return f"{what}; {_free_bytes(where) / 2**20:.0f} MB free on that filesystem"
+
+
+def _tree_bytes(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def _free_bytes(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def _agreed_room(need: int, path: str, device) -> tuple[int, int]:
+    """(largest `need`, least free bytes at `path`) over all ranks: every rank decides alike."""
+    box = torch.tensor([float(need), -float(_free_bytes(path))], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
+    return int(box[0].item()), int(-box[1].item())

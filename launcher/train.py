@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from launcher import metrics, procs  # noqa: E402
 from launcher.config import ConfigError, RunConfig, load_config  # noqa: E402
 from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
-from launcher.run_state import CheckpointLifecycle, log0  # noqa: E402
+from launcher.run_state import CheckpointLifecycle, NoRoomStop, log0  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
 from parallel import accelerator, manifest, rng  # noqa: E402
 
@@ -369,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
         record_divergence_stop(trainer, e)
         exit_rank(DIVERGED_EXIT_CODE)
+    except NoRoomStop as e:  # every rank, before the same save (make_room's all-reduce)
+        if rank == "0":
+            print(e, file=sys.stderr, flush=True)
+        exit_rank(procs.NO_ROOM_EXIT_CODE)
     except SystemExit as e:
         if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
             exit_rank(PREEMPTED_EXIT_CODE)

@@ -80,7 +80,8 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _broadcast(obj):
+def broadcast(obj):
+    """Rank 0's `obj` on every rank (itself without a process group)."""
     rank, world = _world()
     if world == 1:
         return obj
@@ -98,20 +99,21 @@ def _gather(obj) -> list:
     return out
 
 
-def commit(ckpt_dir: str, tag: str, step: int) -> dict:
-    """Hash the complete checkpoint `tag` on all ranks, then write its manifest and `latest`.
-    Collective: call on every rank after every rank has written its files."""
+def commit(ckpt_dir: str, tag: str, step: int, extra: dict | None = None) -> dict:
+    """Hash the complete checkpoint `tag` on all ranks, then write its manifest (with `extra`'s
+    keys, e.g. the run's config) and `latest`. Collective: call on every rank after every rank has
+    written its files."""
     rank, world = _world()
     if world > 1:
         torch.distributed.barrier()
     tag_dir = os.path.join(ckpt_dir, tag)
-    files = _broadcast(_listing(tag_dir) if rank == 0 else None)
+    files = broadcast(_listing(tag_dir) if rank == 0 else None)
     mine = {name: {"size": files[name], "sha256": sha256(os.path.join(tag_dir, name), sync=True)}
             for name in _deal(files, world)[rank]}
     entries = {}
     for part in _gather(mine):
         entries.update(part)
-    manifest = {"format": FORMAT, "tag": tag, "step": step, "files": dict(sorted(entries.items()))}
+    manifest = {"format": FORMAT, "tag": tag, "step": step, **(extra or {}), "files": dict(sorted(entries.items()))}
     if rank == 0:
         write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1))
         write_atomic(os.path.join(ckpt_dir, LATEST), tag)

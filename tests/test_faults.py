@@ -16,6 +16,7 @@ import csv
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -113,10 +114,14 @@ class Run:
 
     started: list[Run] = []
 
-    def __init__(self, config: str):
+    def __init__(self, config: str, file_size_limit: int | None = None):
+        """`file_size_limit`: bytes any file of the run may grow to (`ulimit -f`, for every process)."""
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        limit = None if file_size_limit is None else (
+            lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit)))
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", config, "--eval-sentences", "0"],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=limit)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
         Run.started.append(self)
@@ -249,6 +254,67 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, end_step + 1))
     assert not [p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])]
 
+    # 4. a checkpoint write that fails on every rank (files limited to 64 KB: the optimizer
+    # states are larger): one line per rank names the checkpoint and the cause, exit 1, the newest
+    # intact checkpoint stays the one `latest` names, and no process is left
+    newest = f"step{end_step}"
+    limited = Run(config("more", end_step + 2), file_size_limit=64 * 1024)
+    assert limited.proc.wait(timeout=600) == 1, limited.text()[-3000:]
+    for rank in (0, 1):
+        limited.wait_for(rf"error: rank {rank}: could not write checkpoint step{end_step + 2} to {re.escape(ckpt)} "
+                         rf"\(torch could not write a file: .*; this process may write files of at most 0\.1 MB "
+                         rf"\(ulimit -f\); \d+ MB free on that filesystem\); the incomplete step{end_step + 2} is "
+                         rf"ignored\. The newest intact checkpoint, {newest}, is kept: make room")
+    assert "Traceback" not in limited.text(), limited.text()[-3000:]
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == newest
+    assert manifest_of(ckpt, f"step{end_step + 2}") is None
+    _gone([p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])], timeout=10)
+
+    # 5. not enough room for the next checkpoint (the newest one made to look 1 TB large, a sparse
+    # file the manifest does not list): every rank stops before writing anything
+    padding = os.path.join(ckpt, newest, "padding.bin")
+    os.truncate(os.open(padding, os.O_CREAT | os.O_WRONLY), 2**40)
+    full = Run(config("more", end_step + 2))
+    assert full.proc.wait(timeout=600) == 4, full.text()[-3000:]
+    full.wait_for(rf"resumed from .*{newest} at step {end_step} \(verified\)")
+    full.wait_for(rf"^error: not enough room for checkpoint step{end_step + 2} in {re.escape(ckpt)}: about "
+                  rf"10485\d\d MB needed \(the size of {newest}\), \d+ MB free; nothing was written\. The newest "
+                  rf"intact checkpoint, {newest}, is kept")
+    assert not os.path.exists(os.path.join(ckpt, f"step{end_step + 2}"))
+    assert "died" not in full.text() and "Traceback" not in full.text(), full.text()[-3000:]
+    full.wait_for(rf"^\d+ MB free after removing step{end_step - 2} before saving step{end_step + 2} \(about "
+                  r"10485\d\d MB needed\): rotation \(train.keep_checkpoints=2\) would have removed them")
+    os.unlink(padding)
+
+    # 6. config.json deleted: the config of the newest checkpoint's manifest restores it, and a
+    # changed model is still refused before any rank starts
+    os.unlink(os.path.join(run_dir, "config.json"))
+    changed = write_run_config(str(tmp_path / "changed.yaml"), run_dir, tiny_data, model={"dropout": 0.1, "ffn_dim": 48})
+    refused = subprocess.run([sys.executable, "-m", "launcher.cli", "train", changed], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"{run_dir}/config.json was missing: restored from the manifest of checkpoint {newest}" in refused.stdout
+    assert refused.stderr.endswith(f"was trained with another model or layout (model.ffn_dim: 64 → 48); use a new "
+                                   "run_dir, or convert the checkpoint\n"), refused.stderr
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["model"]["ffn_dim"] == 64
+
+    # 7. SIGTERM right after the ranks are launched, before they could handle it: the supervisor
+    # holds it back until they do, and they checkpoint at their first step and exit 75
+    early = Run(config("long", 2000))
+    early.wait_for(r"^launching 2 ranks")
+    early.proc.send_signal(signal.SIGTERM)
+    assert early.proc.wait(timeout=300) == 75, early.text()[-3000:]
+    step = int(early.wait_for(r"step (\d+) \| preempted by SIGTERM: saved checkpoint").group(1))
+    assert manifest_of(ckpt, f"step{step}") is not None
+
+
+def manifest_of(ckpt: str, tag: str):
+    from parallel import manifest
+
+    return manifest.read(os.path.join(ckpt, tag))
+
 
 # ---- the pieces, in one process ------------------------------------------------------------------
 
@@ -294,6 +360,43 @@ def test_manifest_names_every_kind_of_damage(tmp_path):
         "b.pt has 10 bytes, the manifest says 300 (truncated)",
         "c.pt is missing"]
     assert manifest._deal({"x": 10, "y": 9, "z": 2}, 2) == [["x"], ["y", "z"]]
+
+
+def test_room_is_made_only_from_what_rotation_would_delete():
+    from launcher.run_state import room_to_make
+
+    newest_first = ["step40", "step30", "step20", "step10"]
+    assert room_to_make(newest_first, keep=3) == ["step20", "step10"]  # kept after the save: 40, 30, new
+    assert room_to_make(newest_first, keep=1) == ["step30", "step20", "step10"]  # never the newest
+    assert room_to_make(newest_first, keep=5) == []
+    assert room_to_make([], keep=2) == []
+
+
+def test_write_failures_are_named_and_others_are_not(tmp_path):
+    """torch's own error for a write over the file-size limit (SIGXFSZ ignored, as the ranks do),
+    an OSError with its errno, and errors that are no failed write (None: handled elsewhere)."""
+    import errno
+
+    import torch
+
+    from launcher.run_state import write_failure
+
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (32 * 1024, old_limit[1]))
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            torch.save(torch.zeros(100_000), str(tmp_path / "big.pt"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    why = write_failure(caught.value, str(tmp_path))
+    assert re.fullmatch(r"torch could not write a file: [^\n\[]+; \d+ MB free on that filesystem", why), why
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/step9/rng_rank00000.pt")
+    assert re.fullmatch(r"No space left on device: /ckpt/step9/rng_rank00000\.pt; \d+ MB free on that filesystem",
+                        write_failure(full, str(tmp_path)))
+    assert write_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), "/") is None
+    assert write_failure(ValueError("file write failed"), "/") is None
 
 
 def test_rendezvous_port_is_outside_the_ephemeral_range_and_free():
