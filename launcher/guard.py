@@ -81,7 +81,7 @@ class DivergenceGuard:
         elif self.factor > 0 and len(self.recent) >= self.window:
             median = statistics.median(self.recent)
             if loss > self.factor * median:
-                reason = (f"loss {loss:.4f} is {loss / median:.1f}× the median {median:.4f} of the last "
+                reason = (f"loss {loss:.4f} is {loss / median:.3g}× the median {median:.4f} of the last "
                           f"{self.window} steps (train.divergence_spike_factor={self.factor:g})")
         self.pending = {"loss": loss, "grad_norm": norm, "reason": reason}
         return reason is not None

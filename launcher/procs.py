@@ -88,6 +88,9 @@ class Supervisor:
     def _find_ranks(self) -> None:
         import psutil
 
+        if self.proc is None:  # a signal before the launcher started: the ranks get it once they exist
+            return
+
         try:
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 if child.pid not in self.ranks:
@@ -127,6 +130,8 @@ class Supervisor:
                 self._deliver(pid, self.signals[0])
 
     def _killpg(self, signum: int) -> None:
+        if self.proc is None:
+            return
         try:
             os.killpg(self.proc.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -173,16 +178,22 @@ class Supervisor:
             self.deadline = time.monotonic() + KILL_AFTER
             return
 
-    def run(self) -> int:
+    def run(self, announce=lambda: None) -> int:
+        """Start the launcher and supervise it; `announce` runs once this process handles the
+        signals (a signal from then on reaches the ranks, also one sent before they start)."""
         handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         previous = {s: signal.getsignal(s) for s in handled}
         env = dict(self.env, **{OWNER_ENV: str(os.getpid())})
-        self.proc = subprocess.Popen(self.cmd, env=env, cwd=self.cwd, start_new_session=True)
+        for s in handled:
+            if not (s == signal.SIGHUP and hup_ignored):
+                signal.signal(s, self._on_signal)
         try:
-            for s in handled:
-                if not (s == signal.SIGHUP and hup_ignored):
-                    signal.signal(s, self._on_signal)
+            announce()
+            if self.signals and (len(self.signals) > 1 or self.signals[0] not in CHECKPOINT_SIGNALS):
+                return 128 + self.signals[0]  # stop at once, before anything started
+            # A SIGTERM that came already is held for the ranks: they checkpoint after one step.
+            self.proc = subprocess.Popen(self.cmd, env=env, cwd=self.cwd, start_new_session=True)
             next_scan = next_check = 0.0
             while self.proc.poll() is None:
                 now = time.monotonic()
@@ -204,10 +215,11 @@ class Supervisor:
             rc = self.proc.returncode
         finally:
             # Whatever ended the launcher, nothing of the run outlives this function.
-            if self.proc.poll() is None:
-                self._killpg(signal.SIGKILL)
-                self.proc.wait()
-            self._reap_group()
+            if self.proc is not None:
+                if self.proc.poll() is None:
+                    self._killpg(signal.SIGKILL)
+                    self.proc.wait()
+                self._reap_group()
             for s, h in previous.items():
                 signal.signal(s, h)
         if rc not in AGREED_ENDS and not self.dead_rank and not self.signals \
@@ -264,8 +276,8 @@ def die_with_parent_shell() -> None:
         _prctl_pdeathsig(signal.SIGHUP)
 
 
-def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float) -> int:
-    return Supervisor(cmd, env, cwd, grace_seconds).run()
+def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float, announce=lambda: None) -> int:
+    return Supervisor(cmd, env, cwd, grace_seconds).run(announce)
 
 
 # ---- the ranks --------------------------------------------------------------------------------

@@ -67,8 +67,9 @@ class CheckpointLifecycle:
                     manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
             return
         listed = ", ".join(tags) or "none"
-        raise SystemExit(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
-                         "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
+        message = (f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
+                   "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
+        raise SystemExit(message if self.layout.rank == 0 else 1)  # every rank found the same (verify is collective)
 
     def resume_unverified(self, tag: str | None) -> None:
         """A checkpoint without a manifest: an older version's, or a universal one (reshard)."""

@@ -152,7 +152,9 @@ def test_translate_refuses_bad_text_and_paths_with_one_line_and_writes_nothing(t
              (["-i", str(src), "-o", str(folder)], "is a folder"),
              (["-i", str(folder)], "is a folder"),
              (["-i", str(src), "-o", str(tmp_path / "nowhere" / "x.txt")], "does not exist"),
-             (["-i", str(src), "-o", str(src)], "is the --input file")]
+             (["-i", str(src), "-o", str(src)], "is the --input file"),
+             (["-i", str(src), "-o", str(out), "--beam", "100000"], "--beam 100000 is wider than the model's "
+                                                                   "vocabulary of 600 pieces")]
     for extra, words in cases:
         assert cli(["translate", trained["run_dir"], "--to", "de", "--threads", "1", *extra]) == 2, extra
         err = capsys.readouterr().err
@@ -163,6 +165,8 @@ def test_translate_refuses_bad_text_and_paths_with_one_line_and_writes_nothing(t
     assert cli(["translate", trained["run_dir"], "--to", "de", "--threads", "1"]) == 2
     err = capsys.readouterr().err
     assert "standard input line 2 is not UTF-8 (byte 0xff at column 1)" in err and "Traceback" not in err
+    assert cli(["eval", trained["run_dir"], "--beam", "601", "--threads", "1"]) == 2
+    assert "--beam 601 is wider than the model's vocabulary of 600 pieces" in capsys.readouterr().err
     assert cli(["eval", trained["run_dir"], "--out-dir", str(src), "--threads", "1"]) == 2  # before loading
     err = capsys.readouterr().err
     assert err.startswith("error: --out-dir") and "is a file" in err and src.read_bytes() == src_bytes

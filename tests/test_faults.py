@@ -1,11 +1,13 @@
 """Faults a weeks-long run meets, on the real launcher and trainer (2 CPU ranks, pp=2).
 
 Two groups, each in as few launches as possible:
-- `./run.sh train` itself (three launches of the CLI on one run directory): SIGTERM to it
+- `./run.sh train` itself (launches of the CLI on one run directory): SIGTERM to it
   checkpoints and leaves no process, within seconds; a second trainer on the same run directory is
   refused with the holder's host and PID; `kill -9` of every process in the middle of a save, then
   a rerun resumes from the last committed checkpoint with the losses the killed run computed; the
-  metrics CSVs then hold every step once under one header.
+  metrics CSVs then hold every step once under one header; a checkpoint write failing on every
+  rank (`ulimit -f`), and a checkpoint that cannot fit (exit 4, nothing written); a deleted
+  config.json restored from a manifest; a SIGTERM right after the launch line still checkpoints.
 - one launch of tests/dist/fault_worker.py: every kind of checkpoint damage falls back to the
   newest intact checkpoint and continues with the uninterrupted run's losses; the divergence
   guard under each policy.

@@ -230,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
             raise ValueError(f"--out-dir {args.out_dir} is a file; give a folder for the tables and hypotheses")
         translator = load_translator(args.model or args.run_dir, None if args.model else args.tag)
+        translator.check_options(options)
         manifest = load_manifest(os.path.join(args.run_dir, "data"))
         if manifest.get("spm_sha256", translator.spm_sha256) != translator.spm_sha256:
             raise ValueError(f"the model's SentencePiece model differs from {args.run_dir}/data/spm.model; "

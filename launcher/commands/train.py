@@ -75,11 +75,14 @@ def _train(args: argparse.Namespace, cfg) -> int:
                             ["--config", os.path.abspath(args.config), "--run-dir", os.path.abspath(cfg.run_dir)])
     where = (f"{world} of {gpus} GPUs" if gpus else
              f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
-    print(f"launching {world} ranks ({layout}) on {where}", flush=True)
-    if not gpus and world > cores:
-        print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
+
+    def announce():  # once signals are handled: from here on a SIGTERM gets a checkpoint
+        print(f"launching {world} ranks ({layout}) on {where}", flush=True)
+        if not gpus and world > cores:
+            print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
+
     env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
-    rc = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds)
+    rc = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds, announce)
     if rc == PREEMPTED_EXIT_CODE:
         print("training was stopped after saving a checkpoint; run the same command to resume", flush=True)
     elif rc in (129, 130, 143):

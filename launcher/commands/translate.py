@@ -85,6 +85,13 @@ class Translator:
         self.truncated = 0
         """Sources cut to the model's position table so far."""
 
+    def check_options(self, options) -> None:
+        """Options the loaded model cannot honour: a beam wider than its vocabulary."""
+        vocab = self.model.cfg.vocab_size
+        if options.beam > vocab:
+            raise ValueError(f"--beam {options.beam} is wider than the model's vocabulary of {vocab} pieces; "
+                             f"use at most {vocab} (4-6 is usual)")
+
     def check_language(self, language: str) -> None:
         if language not in self.tokenizer.tags:
             raise ValueError(f"the model has no tag <2{language}>; it translates into "
@@ -212,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         check_paths(args.input, args.output)
         options = decode_options(args)
         translator = load_translator(args.model, args.tag)
+        translator.check_options(options)
         translator.check_language(args.to)
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
