@@ -90,11 +90,12 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
             for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
 
 
-def saved_run_config(run_dir: str, log=print) -> dict | None:
+def saved_run_config(run_dir: str, log=print, restore: bool = True) -> dict | None:
     """The config a run's checkpoints were trained with: run_dir/config.json, or, when that file is
     missing or damaged, the copy every checkpoint's manifest holds (parallel/manifest.py), taken
-    from the newest committed checkpoint that has one and written back to config.json (one line
-    says so). None for a run without either (a new run, or checkpoints of an older version)."""
+    from the newest committed checkpoint that has one and (`restore`: only where the run lock is
+    held) written back to config.json; one line says so. None for a run without either (a new
+    run, or checkpoints of an older version)."""
     from parallel import manifest
 
     saved_path = os.path.join(run_dir, "config.json")
@@ -112,9 +113,16 @@ def saved_run_config(run_dir: str, log=print) -> dict | None:
     for tag in manifest.committed_tags(ckpt_dir):
         recorded = (manifest.read(os.path.join(ckpt_dir, tag)) or {}).get("config")
         if isinstance(recorded, dict):
-            manifest.write_atomic(saved_path, json.dumps(recorded, indent=2))
-            log(f"{saved_path} was {'damaged (' + damage + ')' if damage else 'missing'}: restored from the "
-                f"manifest of checkpoint {tag}")
+            what = f"{saved_path} is {'damaged (' + damage + ')' if damage else 'missing'}"
+            if not restore:
+                log(f"{what}: using the config recorded in the manifest of checkpoint {tag}")
+                return recorded
+            try:
+                manifest.write_atomic(saved_path, json.dumps(recorded, indent=2))
+                log(f"{what}: restored from the manifest of checkpoint {tag}")
+            except OSError as e:  # e.g. the full disk that damaged it: the recorded copy still serves
+                log(f"{what}: using the config recorded in the manifest of checkpoint {tag} (could not write "
+                    f"it back: {e.strerror or e})")
             return recorded
     if damage:
         raise ConfigError(f"{saved_path} is damaged ({damage}) and no checkpoint's manifest holds the config; "
@@ -125,7 +133,7 @@ def saved_run_config(run_dir: str, log=print) -> dict | None:
 def check_resume(cfg: RunConfig, where: str) -> None:
     """An existing run directory is resumed: refuse a config whose model or layout differs from
     the one its checkpoints were trained with (`saved_run_config`), naming the keys."""
-    saved = saved_run_config(cfg.run_dir)
+    saved = saved_run_config(cfg.run_dir, restore=False)  # the ranks restore it, holding the run lock
     if saved is None:
         return
     diffs = resume_differences(saved, to_dict(cfg))

@@ -66,6 +66,7 @@ class Supervisor:
         self.ranks: dict[int, int] = {}  # pid → global rank
         self.signalled: set[int] = set()
         self.dead_rank: tuple[int, int] | None = None
+        self.dead_code = 1  # the exit status of the rank that died first (a signal: 128 + N)
         self.vanished: dict[int, int] = {}  # pid → rank, ended and already reaped by the launcher
 
     # signals arrive in the main thread between polls; the handler only records and forwards
@@ -112,12 +113,17 @@ class Supervisor:
         """Send `signum` to a rank; a checkpoint signal waits until the rank handles it (a rank
         still starting Python would die of it without a checkpoint): `_signal_late_ranks` retries."""
         if signum in CHECKPOINT_SIGNALS and not handles(pid, signum):
+            if not os.path.exists(f"/proc/{pid}") and os.path.exists("/proc/self"):
+                self.signalled.add(pid)  # gone: nothing to wait for
             return
         self.signalled.add(pid)
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
-            pass
+            return
+        if signum in CHECKPOINT_SIGNALS and self.deadline is not None:
+            # the rank's grace (train.stop_grace_seconds) starts now, not when the signal came
+            self.deadline = max(self.deadline, time.monotonic() + self.grace + KILL_AFTER)
 
     def _pending(self) -> bool:
         return len(self.signals) == 1 and bool(set(self.ranks) - self.signalled)
@@ -173,6 +179,7 @@ class Supervisor:
                 continue
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             self.dead_rank = (rank, pid)
+            self.dead_code = code
             self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks")
             self._signal_ranks(signal.SIGINT)
             self.deadline = time.monotonic() + KILL_AFTER
@@ -226,7 +233,9 @@ class Supervisor:
                 and self.vanished:
             first = next(iter(self.vanished.items()))  # in the order they were seen gone
             self.log(f"rank {first[1]} (PID {first[0]}) ended first; the deepspeed launcher stopped the others")
-        if self.signals and rc != PREEMPTED_EXIT_CODE:
+        if self.dead_rank and not self.signals:  # its status, not the launcher's for the ranks it then ended
+            rc = self.dead_code if self.dead_code > 0 else 128 - self.dead_code
+        if self.signals and rc not in AGREED_ENDS[1:]:
             rc = 128 + self.signals[0]
         return rc
 

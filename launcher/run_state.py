@@ -10,6 +10,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 
 try:
     import resource
@@ -67,9 +69,16 @@ class CheckpointLifecycle:
                     manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
             return
         listed = ", ".join(tags) or "none"
-        message = (f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
-                   "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
-        raise SystemExit(message if self.layout.rank == 0 else 1)  # every rank found the same (verify is collective)
+        self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
+                           "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
+
+    def stop_together(self, message: str) -> None:
+        """All ranks stop with exit 1 on the same finding: rank 0 prints `message` before any rank
+        exits (the launcher ends the others as soon as one exits); raises SystemExit."""
+        if self.layout.rank == 0:
+            print(message, file=sys.stderr, flush=True)
+        torch.distributed.barrier()
+        raise SystemExit(1)
 
     def resume_unverified(self, tag: str | None) -> None:
         """A checkpoint without a manifest: an older version's, or a universal one (reshard)."""
@@ -85,6 +94,7 @@ class CheckpointLifecycle:
 
     def restore_client(self, client: dict, path: str) -> None:
         self.step = client["step"]
+        self.resumed_dir = os.path.realpath(path if os.path.isdir(path) else os.path.dirname(path))
         self.stream.load_state_dict(client["data"])
         self.guard.load_state_dict(client.get("guard"))
         tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
@@ -156,7 +166,7 @@ class CheckpointLifecycle:
         if saved is None:
             return
         if "refused" in saved:
-            raise SystemExit(f"error: {saved['refused']}" if self.layout.rank == 0 else 1)
+            self.stop_together(f"error: {saved['refused']}")
         # Activation checkpointing and precision may change between launches; the model and the
         # layout may not (the same rule as ./run.sh's check before launching).
         diffs = resume_differences(saved, to_dict(self.cfg))
@@ -188,8 +198,10 @@ class CheckpointLifecycle:
                 raise
             # Its partial files stay until the next save of that step removes them: the other
             # ranks may still be writing into the folder.
-            raise SystemExit(f"error: rank {self.layout.rank}: could not write checkpoint {tag} to {self.ckpt_dir} "
-                             f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}") from None
+            message = (f"error: rank {self.layout.rank}: could not write checkpoint {tag} to {self.ckpt_dir} "
+                       f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}")
+            record_stop(self.cfg.run_dir, message)
+            raise SystemExit(message) from None
         manifest.commit(self.ckpt_dir, tag, self.step, extra={"config": to_dict(self.cfg)})
         if self.layout.rank == 0:
             manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"), json.dumps(to_dict(self.cfg), indent=2))
@@ -209,28 +221,57 @@ class CheckpointLifecycle:
         return "No checkpoint was saved yet: make room and rerun (it starts afresh)"
 
     def make_room(self, tag: str) -> None:
-        """Before writing `tag`: it needs about as much room as the newest committed checkpoint.
-        When any rank's filesystem has less free (plus 5%), delete now what this save would delete
-        anyway (committed checkpoints past train.keep_checkpoints, never the newest); when that is
-        still not enough, every rank stops before writing anything."""
+        """Before writing `tag`: it needs about as much room as the newest committed checkpoint
+        (unknown, so not checked, when that one was saved in another precision). When any rank's
+        filesystem has less free (plus 5%) and deleting what this save would delete anyway
+        (incomplete saves of earlier steps, committed checkpoints past train.keep_checkpoints;
+        never the newest committed one, nor the checkpoint this run resumed from) makes enough,
+        rank 0 deletes them; otherwise, or if the room does not appear, every rank stops before
+        writing anything, and nothing was deleted for nothing. All ranks decide on the same
+        all-reduced numbers."""
         committed = manifest.committed_tags(self.ckpt_dir)
-        need, free = _agreed_room(_tree_bytes(os.path.join(self.ckpt_dir, committed[0])) if committed else 0,
-                                  self.ckpt_dir, self.layout.device)
+        removable, need = [], 0
+        if self.layout.rank == 0 and committed:
+            recorded = (manifest.read(os.path.join(self.ckpt_dir, committed[0])) or {}).get("config") or {}
+            if recorded.get("parallel", {}).get("precision", self.cfg.parallel.precision) == self.cfg.parallel.precision:
+                need = _tree_bytes(os.path.join(self.ckpt_dir, committed[0]))
+            removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
+            removable += [t for t in manifest.uncommitted_tags(self.ckpt_dir)
+                          if int(t[4:]) < self.step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
+        freed = sum(_tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
+        need, free, freed = _agreed_room(need, self.ckpt_dir, self.layout.device, freed)
         if not need or free >= need * ROOM_MARGIN:
             return
-        removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
-        if self.layout.rank == 0 and removable:
-            for old in removable:
-                shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
-            log0(f"{_free_bytes(self.ckpt_dir) / 2**20:.0f} MB free after removing {', '.join(removable)} before saving {tag} (about "
-                 f"{need / 2**20:.0f} MB needed): rotation (train.keep_checkpoints="
-                 f"{self.cfg.train.keep_checkpoints}) would have removed them after this save")
-        need, free = _agreed_room(need, self.ckpt_dir, self.layout.device)  # also the barrier after the removal
-        if free >= need * ROOM_MARGIN:
-            return
-        raise NoRoomStop(f"error: not enough room for checkpoint {tag} in {self.ckpt_dir}: about "
-                         f"{need / 2**20:.0f} MB needed (the size of {committed[0]}), {free / 2**20:.0f} MB free; "
-                         f"nothing was written. {self._kept_text()}")
+        if free + freed >= need * ROOM_MARGIN:
+            if self.layout.rank == 0:
+                for old in removable:
+                    shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
+                log0(f"making room for checkpoint {tag} (about {need / 2**20:.0f} MB, {free / 2**20:.0f} MB free): "
+                     f"removed {', '.join(removable)}, which this save would have removed after it "
+                     f"(train.keep_checkpoints={self.cfg.train.keep_checkpoints})")
+            for _ in range(ROOM_WAITS):  # some filesystems (ZFS, Lustre) free the space a little later
+                need, free, _ = _agreed_room(need, self.ckpt_dir, self.layout.device)  # also the barrier
+                if free >= need * ROOM_MARGIN:
+                    return
+                time.sleep(1.0)
+        shown = "an unknown amount" if free == UNKNOWN else f"{free / 2**20:.0f} MB"
+        message = (f"error: not enough room for checkpoint {tag} in {self.ckpt_dir}: about {need / 2**20:.0f} MB "
+                   f"needed (the size of {committed[0]}), {shown} free; nothing was written. {self._kept_text()}")
+        if self.layout.rank == 0:
+            record_stop(self.cfg.run_dir, message)
+        raise NoRoomStop(message)
+
+
+STOPPED_MARKER = "stopped.json"  # launcher/slurm.py names it too (it does not import torch)
+
+
+def record_stop(run_dir: str, message: str) -> None:
+    """run_dir/stopped.json: why the run stopped in a way a requeue would meet again; a SLURM job
+    then ends instead of requeueing itself (launcher/slurm.py). Best effort: the disk may be full."""
+    try:
+        manifest.write_atomic(os.path.join(run_dir, STOPPED_MARKER), json.dumps({"reason": message}) + "\n")
+    except OSError:
+        pass
 
 
 class NoRoomStop(Exception):
@@ -238,6 +279,8 @@ class NoRoomStop(Exception):
 
 
 ROOM_MARGIN = 1.05  # a checkpoint's size changes little between steps; the margin covers its manifest
+ROOM_WAITS = 5  # re-checks, a second apart, for the room that deleting made
+UNKNOWN = 2**62  # free bytes when the filesystem does not say (statfs failed): not a reason to stop
 
 
 def room_to_make(committed: list[str], keep: int) -> list[str]:
@@ -263,7 +306,8 @@ def write_failure(error: BaseException, where: str) -> str | None:
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else -1
     if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
         what += f"; this process may write files of at most {limit / 2**20:.1f} MB (ulimit -f)"
-    return f"{what}; {_free_bytes(where) / 2**20:.0f} MB free on that filesystem"
+    free = _free_bytes(where)
+    return f"{what}; {'unknown space' if free == UNKNOWN else f'{free / 2**20:.0f} MB'} free on that filesystem"
 
 
 def _tree_bytes(path: str) -> int:
@@ -281,11 +325,12 @@ def _free_bytes(path: str) -> int:
     try:
         return shutil.disk_usage(path).free
     except OSError:
-        return 0
+        return UNKNOWN
 
 
-def _agreed_room(need: int, path: str, device) -> tuple[int, int]:
-    """(largest `need`, least free bytes at `path`) over all ranks: every rank decides alike."""
-    box = torch.tensor([float(need), -float(_free_bytes(path))], dtype=torch.float64, device=device)
+def _agreed_room(need: int, path: str, device, freed: int = 0) -> tuple[int, int, int]:
+    """(largest `need`, least free bytes at `path`, largest `freed`) over all ranks: every rank
+    decides alike (rank 0 measures what the others pass as 0)."""
+    box = torch.tensor([float(need), -float(_free_bytes(path)), float(freed)], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
-    return int(box[0].item()), int(-box[1].item())
+    return int(box[0].item()), int(-box[1].item()), int(box[2].item())

@@ -25,6 +25,7 @@ from launcher.config import RunConfig, to_dict  # noqa: E402
 from parallel import accelerator  # noqa: E402
 
 PREEMPTED_MARKER = "preempted.json"  # written by launcher/train.py (PREEMPTED_MARKER there)
+STOPPED_MARKER = "stopped.json"  # written by the ranks when a rerun would stop the same way (run_state.py)
 
 
 @dataclass(kw_only=True)
@@ -151,7 +152,7 @@ srun --nodes=1 --ntasks=1{cpus} \\
   "$PYTHON" -u -m launcher.cli prepare "$CONFIG" --run-dir "$RUN_DIR" --no-progress || exit 1
 
 # 2. Training: one task per rank; a checkpoint in $RUN_DIR/checkpoints is resumed.
-rm -f "$RUN_DIR/{PREEMPTED_MARKER}"
+rm -f "$RUN_DIR/{PREEMPTED_MARKER}" "$RUN_DIR/{STOPPED_MARKER}"
 if [ "$preempted" = 0 ]; then
   # --kill-on-bad-exit: one failed rank ends the others instead of leaving them blocked in a
   # collective. (After a preemption checkpoint the ranks exit with code 75 together; srun may
@@ -166,7 +167,13 @@ else
   rc=1
 fi
 
-# 3. Preempted: requeue this job (same id, same log); its next start resumes from the checkpoint.
+# 3. Stopped for a reason a requeue would meet again (no room for a checkpoint, a failed write):
+#    the job ends with the ranks' exit code, also after a preemption signal.
+if [ -f "$RUN_DIR/{STOPPED_MARKER}" ]; then
+  echo "$(date -Is) training stopped and is not requeued: $(cat "$RUN_DIR/{STOPPED_MARKER}")"
+  exit "$rc"
+fi
+# 4. Preempted: requeue this job (same id, same log); its next start resumes from the checkpoint.
 #    Also when the signal came before the trainers could take it: they resume from the last one.
 if [ -f "$RUN_DIR/{PREEMPTED_MARKER}" ] || {{ [ "$preempted" = 1 ] && [ "$rc" != 0 ]; }}; then
   if [ -f "$RUN_DIR/{PREEMPTED_MARKER}" ]; then

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from launcher import metrics, procs  # noqa: E402
 from launcher.config import ConfigError, RunConfig, load_config  # noqa: E402
 from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
-from launcher.run_state import CheckpointLifecycle, NoRoomStop, log0  # noqa: E402
+from launcher.run_state import STOPPED_MARKER, CheckpointLifecycle, NoRoomStop, log0  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
 from parallel import accelerator, manifest, rng  # noqa: E402
 
@@ -125,6 +125,7 @@ class Trainer(CheckpointLifecycle):
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
+        self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
         if committed or manifest.read_latest(self.ckpt_dir)[1]:
             self.resume()
         elif legacy or universal:
@@ -134,8 +135,9 @@ class Trainer(CheckpointLifecycle):
                 log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
         if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
-            with contextlib.suppress(FileNotFoundError):  # a one-node run's earlier preemption, now resumed
-                os.remove(os.path.join(cfg.run_dir, PREEMPTED_MARKER))
+            for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # an earlier launch's preemption or stop, now resumed
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(cfg.run_dir, marker))
         # BranchNorm's λ_t follows the optimizer step: identical on every stage, and restored
         # with the step on resume.
         self.step_blocks = step_blocks(self.module)
@@ -343,7 +345,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--run-dir", help="override run_dir of the config")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    install_preemption_handler()  # before the slow start-up (DeepSpeed imports, engine build)
     procs.watch_owner()
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID", "0")  # srun sets no RANK yet
@@ -351,6 +352,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    # Before the slow start-up (DeepSpeed imports, engine build), with the run's grace: ./run.sh
+    # holds a SIGTERM back until this rank handles it (launcher/procs.py Supervisor).
+    install_preemption_handler(cfg.train.stop_grace_seconds)
     if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
         from launcher.runlock import RunDirBusy, RunLock
 

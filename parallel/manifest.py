@@ -14,6 +14,7 @@ stage is its largest share over the disk's read rate.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -55,13 +56,20 @@ def _fsync_dir(path: str) -> None:
 
 
 def write_atomic(path: str, text: str) -> None:
+    """`text` into `path` whole or not at all (a temporary file, fsync, rename); nothing is left
+    behind when writing fails."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _listing(tag_dir: str) -> dict[str, int]:
@@ -113,6 +121,7 @@ def commit(ckpt_dir: str, tag: str, step: int, extra: dict | None = None) -> dic
     entries = {}
     for part in _gather(mine):
         entries.update(part)
+    assert not set(extra or {}) & {"format", "tag", "step", "files"}, "extra may not replace a manifest key"
     manifest = {"format": FORMAT, "tag": tag, "step": step, **(extra or {}), "files": dict(sorted(entries.items()))}
     if rank == 0:
         write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1))

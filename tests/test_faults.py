@@ -19,6 +19,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -256,60 +257,78 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert rows[0] == ["step", "loss"] and [int(r[0]) for r in rows[1:]] == list(range(1, end_step + 1))
     assert not [p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])]
 
-    # 4. a checkpoint write that fails on every rank (files limited to 64 KB: the optimizer
-    # states are larger): one line per rank names the checkpoint and the cause, exit 1, the newest
-    # intact checkpoint stays the one `latest` names, and no process is left
+    # 4. a checkpoint write that fails (files limited to 64 KB, as `ulimit -f` does: layer and
+    # optimizer files are larger): the failing rank's one line names the checkpoint and the cause,
+    # exit 1 (the other rank may fail the same way or be ended first), `latest` still names the
+    # newest intact checkpoint, a SLURM job would not requeue (stopped.json), no process is left
     newest = f"step{end_step}"
     limited = Run(config("more", end_step + 2), file_size_limit=64 * 1024)
     assert limited.proc.wait(timeout=600) == 1, limited.text()[-3000:]
-    for rank in (0, 1):
-        limited.wait_for(rf"error: rank {rank}: could not write checkpoint step{end_step + 2} to {re.escape(ckpt)} "
-                         rf"\(torch could not write a file: .*; this process may write files of at most 0\.1 MB "
-                         rf"\(ulimit -f\); \d+ MB free on that filesystem\); the incomplete step{end_step + 2} is "
-                         rf"ignored\. The newest intact checkpoint, {newest}, is kept: make room")
+    limited.wait_for(rf"^error: rank [01]: could not write checkpoint step{end_step + 2} to {re.escape(ckpt)} "
+                     rf"\(torch could not write a file: .*; this process may write files of at most 0\.1 MB "
+                     rf"\(ulimit -f\); \d+ MB free on that filesystem\); the incomplete step{end_step + 2} is "
+                     rf"ignored\. The newest intact checkpoint, {newest}, is kept: make room")
     assert "Traceback" not in limited.text(), limited.text()[-3000:]
+    limited.wait_for(r"^rank [01] \(PID \d+\) died \(exit code 1\); stopping the other ranks")  # rc above: its code
     with open(os.path.join(ckpt, "latest")) as f:
         assert f.read() == newest
     assert manifest_of(ckpt, f"step{end_step + 2}") is None
+    with open(os.path.join(run_dir, "stopped.json")) as f:
+        assert f"could not write checkpoint step{end_step + 2}" in json.load(f)["reason"]
     _gone([p for p in psutil.process_iter(["cmdline"]) if run_dir in " ".join(p.info["cmdline"] or [])], timeout=10)
 
-    # 5. not enough room for the next checkpoint (the newest one made to look 1 TB large, a sparse
-    # file the manifest does not list): every rank stops before writing anything
+    # 5. not enough room for the next checkpoint (the newest one made to look larger than four
+    # times the free space, a sparse file the manifest does not list): every rank stops before
+    # writing anything, exit 4, and the older checkpoint is not deleted for nothing
     padding = os.path.join(ckpt, newest, "padding.bin")
-    os.truncate(os.open(padding, os.O_CREAT | os.O_WRONLY), 2**40)
+    size = max(2**40, 4 * shutil.disk_usage(ckpt).free)
+    fd = os.open(padding, os.O_CREAT | os.O_WRONLY)
+    os.truncate(fd, size)
+    os.close(fd)
+    need_mb = round(sum(os.path.getsize(os.path.join(ckpt, newest, n)) for n in os.listdir(os.path.join(ckpt, newest)))
+                    / 2**20)
     full = Run(config("more", end_step + 2))
     assert full.proc.wait(timeout=600) == 4, full.text()[-3000:]
     full.wait_for(rf"resumed from .*{newest} at step {end_step} \(verified\)")
     full.wait_for(rf"^error: not enough room for checkpoint step{end_step + 2} in {re.escape(ckpt)}: about "
-                  rf"10485\d\d MB needed \(the size of {newest}\), \d+ MB free; nothing was written\. The newest "
+                  rf"{need_mb} MB needed \(the size of {newest}\), \d+ MB free; nothing was written\. The newest "
                   rf"intact checkpoint, {newest}, is kept")
     assert not os.path.exists(os.path.join(ckpt, f"step{end_step + 2}"))
+    assert manifest_of(ckpt, f"step{end_step - 2}") is not None  # removing it would not have made the room
     assert "died" not in full.text() and "Traceback" not in full.text(), full.text()[-3000:]
-    full.wait_for(rf"^\d+ MB free after removing step{end_step - 2} before saving step{end_step + 2} \(about "
-                  r"10485\d\d MB needed\): rotation \(train.keep_checkpoints=2\) would have removed them")
+    with open(os.path.join(run_dir, "stopped.json")) as f:
+        assert "not enough room" in json.load(f)["reason"]
     os.unlink(padding)
 
-    # 6. config.json deleted: the config of the newest checkpoint's manifest restores it, and a
-    # changed model is still refused before any rank starts
+    # 6. config.json deleted: the check before launch uses the config of the newest checkpoint's
+    # manifest, so a changed model is still refused before any rank starts (and, holding no run
+    # lock, writes nothing)
     os.unlink(os.path.join(run_dir, "config.json"))
     changed = write_run_config(str(tmp_path / "changed.yaml"), run_dir, tiny_data, model={"dropout": 0.1, "ffn_dim": 48})
     refused = subprocess.run([sys.executable, "-m", "launcher.cli", "train", changed], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert f"{run_dir}/config.json was missing: restored from the manifest of checkpoint {newest}" in refused.stdout
+    assert (f"{run_dir}/config.json is missing: using the config recorded in the manifest of checkpoint {newest}"
+            in refused.stdout), refused.stdout
     assert refused.stderr.endswith(f"was trained with another model or layout (model.ffn_dim: 64 → 48); use a new "
                                    "run_dir, or convert the checkpoint\n"), refused.stderr
-    with open(os.path.join(run_dir, "config.json")) as f:
-        assert json.load(f)["model"]["ffn_dim"] == 64
+    assert not os.path.exists(os.path.join(run_dir, "config.json"))
 
-    # 7. SIGTERM right after the ranks are launched, before they could handle it: the supervisor
-    # holds it back until they do, and they checkpoint at their first step and exit 75
-    early = Run(config("long", 2000))
+    # 7. SIGTERM right after the launch line, before the ranks could handle it: the supervisor
+    # holds it back until they do, and they checkpoint at their first step and exit 75; the ranks
+    # restored config.json from the manifest, and the stop marker of step 5 is gone
+    early = Run(write_run_config(str(tmp_path / "early.yaml"), run_dir, tiny_data, model={"dropout": 0.1},
+                                 train={"micro_batches": 2, "save_interval": 2, "max_steps": 2000,
+                                        "valid_interval": 1000, "stop_grace_seconds": 300}))
     early.wait_for(r"^launching 2 ranks")
     early.proc.send_signal(signal.SIGTERM)
-    assert early.proc.wait(timeout=300) == 75, early.text()[-3000:]
+    assert early.proc.wait(timeout=600) == 75, early.text()[-3000:]
     step = int(early.wait_for(r"step (\d+) \| preempted by SIGTERM: saved checkpoint").group(1))
     assert manifest_of(ckpt, f"step{step}") is not None
+    early.wait_for(rf"config.json is missing: restored from the manifest of checkpoint {newest}")
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["model"]["ffn_dim"] == 64
+    assert not os.path.exists(os.path.join(run_dir, "stopped.json"))
 
 
 def manifest_of(ckpt: str, tag: str):
