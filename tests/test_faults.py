@@ -72,8 +72,10 @@ def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(worker, case, re
 
 
 def test_no_intact_checkpoint_stops_with_a_message(worker):
-    message = worker["result"]["damage"]["cases"]["none_intact"]["message"]
-    assert message and message.startswith("error: no intact checkpoint in ") and "step4, step2" in message
+    assert worker["result"]["damage"]["cases"]["none_intact"]["code"] == 1
+    lines = [line for line in worker["log"].splitlines() if "no intact checkpoint" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: no intact checkpoint in ") and "(checked: step4, step2)" in \
+        lines[0], lines
 
 
 def test_divergence_stop_applies_nothing_and_saves_nothing(worker):
