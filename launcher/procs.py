@@ -79,8 +79,10 @@ class Supervisor:
             return
         if signum == signal.SIGTERM:
             self.log(f"SIGTERM: the ranks finish their step, checkpoint and exit "
-                     f"(killed if not gone in {self.grace:.0f} s)")
-            self.deadline = time.monotonic() + self.grace + KILL_AFTER
+                     f"(killed if not gone {self.grace:.0f} s after they get it)")
+            # Until a rank handles it (still starting: `_deliver` holds it back) only a bound on the
+            # start-up; each delivery then gives the ranks their grace.
+            self.deadline = time.monotonic() + max(START_UP_BOUND, self.grace + KILL_AFTER)
         else:
             self.log(f"{signal.Signals(signum).name}: stopping every rank now (the last checkpoint is kept)")
             self.deadline = time.monotonic() + KILL_AFTER
@@ -121,9 +123,9 @@ class Supervisor:
             os.kill(pid, signum)
         except ProcessLookupError:
             return
-        if signum in CHECKPOINT_SIGNALS and self.deadline is not None:
+        if signum in CHECKPOINT_SIGNALS and len(self.signals) == 1:
             # the rank's grace (train.stop_grace_seconds) starts now, not when the signal came
-            self.deadline = max(self.deadline, time.monotonic() + self.grace + KILL_AFTER)
+            self.deadline = time.monotonic() + self.grace + KILL_AFTER
 
     def _pending(self) -> bool:
         return len(self.signals) == 1 and bool(set(self.ranks) - self.signalled)
@@ -249,6 +251,7 @@ class Supervisor:
 
 
 CHECKPOINT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a rank checkpoints and exits 75 (install_rank_handlers)
+START_UP_BOUND = 600.0  # s from a SIGTERM to the kill while no rank has taken it yet (still starting)
 
 
 def handles(pid: int, signum: int) -> bool:

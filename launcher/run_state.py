@@ -22,6 +22,7 @@ import torch
 
 from launcher.config import ConfigError, to_dict
 from launcher.preflight import resume_differences, saved_run_config
+from launcher.procs import NO_ROOM_EXIT_CODE
 from parallel import manifest, rng
 
 
@@ -200,11 +201,16 @@ class CheckpointLifecycle:
             # ranks may still be writing into the folder.
             message = (f"error: rank {self.layout.rank}: could not write checkpoint {tag} to {self.ckpt_dir} "
                        f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}")
-            record_stop(self.cfg.run_dir, message)
+            record_stop(self.cfg.run_dir, message, 1)
             raise SystemExit(message) from None
         manifest.commit(self.ckpt_dir, tag, self.step, extra={"config": to_dict(self.cfg)})
         if self.layout.rank == 0:
-            manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"), json.dumps(to_dict(self.cfg), indent=2))
+            try:  # the manifest holds the config too (preflight.saved_run_config): a failure here loses nothing
+                manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"),
+                                      json.dumps(to_dict(self.cfg), indent=2))
+            except OSError as e:
+                log0(f"warning: could not write {self.cfg.run_dir}/config.json ({e.strerror or e}); the manifest of "
+                     f"{tag} records the config")
             tags = manifest.committed_tags(self.ckpt_dir)  # newest first
             for old in tags[self.cfg.train.keep_checkpoints:]:
                 shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
@@ -249,8 +255,9 @@ class CheckpointLifecycle:
                 log0(f"making room for checkpoint {tag} (about {need / 2**20:.0f} MB, {free / 2**20:.0f} MB free): "
                      f"removed {', '.join(removable)}, which this save would have removed after it "
                      f"(train.keep_checkpoints={self.cfg.train.keep_checkpoints})")
+            torch.distributed.barrier()  # rank 0 has deleted them
             for _ in range(ROOM_WAITS):  # some filesystems (ZFS, Lustre) free the space a little later
-                need, free, _ = _agreed_room(need, self.ckpt_dir, self.layout.device)  # also the barrier
+                need, free, _ = _agreed_room(need, self.ckpt_dir, self.layout.device)
                 if free >= need * ROOM_MARGIN:
                     return
                 time.sleep(1.0)
@@ -258,18 +265,20 @@ class CheckpointLifecycle:
         message = (f"error: not enough room for checkpoint {tag} in {self.ckpt_dir}: about {need / 2**20:.0f} MB "
                    f"needed (the size of {committed[0]}), {shown} free; nothing was written. {self._kept_text()}")
         if self.layout.rank == 0:
-            record_stop(self.cfg.run_dir, message)
+            record_stop(self.cfg.run_dir, message, NO_ROOM_EXIT_CODE)
         raise NoRoomStop(message)
 
 
 STOPPED_MARKER = "stopped.json"  # launcher/slurm.py names it too (it does not import torch)
 
 
-def record_stop(run_dir: str, message: str) -> None:
-    """run_dir/stopped.json: why the run stopped in a way a requeue would meet again; a SLURM job
-    then ends instead of requeueing itself (launcher/slurm.py). Best effort: the disk may be full."""
+def record_stop(run_dir: str, message: str, code: int) -> None:
+    """run_dir/stopped.json: why the run stopped in a way a requeue would meet again, and the exit
+    code; a SLURM job then ends with that code instead of requeueing itself (launcher/slurm.py;
+    srun may report the ranks it killed instead). Best effort: the disk may be full."""
     try:
-        manifest.write_atomic(os.path.join(run_dir, STOPPED_MARKER), json.dumps({"reason": message}) + "\n")
+        manifest.write_atomic(os.path.join(run_dir, STOPPED_MARKER),
+                              json.dumps({"code": code, "reason": message}) + "\n")
     except OSError:
         pass
 

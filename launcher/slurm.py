@@ -171,7 +171,9 @@ fi
 #    the job ends with the ranks' exit code, also after a preemption signal.
 if [ -f "$RUN_DIR/{STOPPED_MARKER}" ]; then
   echo "$(date -Is) training stopped and is not requeued: $(cat "$RUN_DIR/{STOPPED_MARKER}")"
-  exit "$rc"
+  code=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("code", ""))' \\
+         "$RUN_DIR/{STOPPED_MARKER}" 2>/dev/null)
+  exit "${{code:-$rc}}"  # the ranks' code: srun may report the ones it killed instead
 fi
 # 4. Preempted: requeue this job (same id, same log); its next start resumes from the checkpoint.
 #    Also when the signal came before the trainers could take it: they resume from the last one.

@@ -70,7 +70,9 @@ def test_gpu_cluster_script_runs_one_rank_per_gpu_with_nccl_and_requeue(tmp_path
                  "#SBATCH --signal=B:USR1@300", f"#SBATCH --output={run_dir}/slurm/logs/%x-%j.out",
                  "export DS_ACCELERATOR=cuda", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1', 'scontrol requeue "$SLURM_JOB_ID"',
-                 "srun --nodes=8 --ntasks-per-node=8 --cpus-per-task=12 --kill-on-bad-exit=1"):
+                 "srun --nodes=8 --ntasks-per-node=8 --cpus-per-task=12 --kill-on-bad-exit=1",
+                 'rm -f "$RUN_DIR/preempted.json" "$RUN_DIR/stopped.json"',  # a stop that would recur: no requeue
+                 'if [ -f "$RUN_DIR/stopped.json" ]; then', 'exit "${code:-$rc}"'):
         assert line in script, line
     assert subprocess.run(["bash", "-n", os.path.join(run_dir, "slurm", "job.sbatch")]).returncode == 0
     job_cfg = load_config(os.path.join(run_dir, "slurm", "config.yaml"))  # the cluster's layout, resolved
