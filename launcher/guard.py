@@ -27,7 +27,6 @@ import statistics
 
 import torch
 
-from launcher.procs import DIVERGED_EXIT_CODE  # noqa: F401 (the exit code of a divergence stop)
 from parallel.layout import Layout
 
 

@@ -115,8 +115,8 @@ class Supervisor:
         """Send `signum` to a rank; a checkpoint signal waits until the rank handles it (a rank
         still starting Python would die of it without a checkpoint): `_signal_late_ranks` retries."""
         if signum in CHECKPOINT_SIGNALS and not handles(pid, signum):
-            if not os.path.exists(f"/proc/{pid}") and os.path.exists("/proc/self"):
-                self.signalled.add(pid)  # gone: nothing to wait for
+            if _exit_status(pid) is not None:  # ended (a zombie, or reaped): nothing to wait for
+                self.signalled.add(pid)
             return
         self.signalled.add(pid)
         try:

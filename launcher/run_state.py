@@ -95,10 +95,10 @@ class CheckpointLifecycle:
 
     def restore_client(self, client: dict, path: str) -> None:
         self.step = client["step"]
-        self.resumed_dir = os.path.realpath(path if os.path.isdir(path) else os.path.dirname(path))
+        tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
+        self.resumed_dir = os.path.realpath(tag_dir)
         self.stream.load_state_dict(client["data"])
         self.guard.load_state_dict(client.get("guard"))
-        tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
         rank = self.layout.rank
         if not rng.load(tag_dir, rank):  # only unverified checkpoints get here without one
             print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout "

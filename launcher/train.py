@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from launcher import metrics, procs  # noqa: E402
 from launcher.config import ConfigError, RunConfig, load_config  # noqa: E402
-from launcher.guard import DIVERGED_EXIT_CODE, DivergenceGuard, DivergenceStop  # noqa: E402
+from launcher.guard import DivergenceGuard, DivergenceStop  # noqa: E402
+from launcher.procs import DIVERGED_EXIT_CODE  # noqa: E402
 from launcher.run_state import STOPPED_MARKER, CheckpointLifecycle, NoRoomStop, log0, record_stop  # noqa: E402
 from model.norms import set_training_step, step_blocks  # noqa: E402
 from parallel import accelerator, manifest, rng  # noqa: E402
@@ -325,9 +326,10 @@ def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> No
     if trainer is not None and trainer.started is not None:  # stopped inside run()
         trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
     if torch.distributed.get_rank() == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+        message = f"error: {error}"
+        print(message, file=sys.stderr, flush=True)
         if trainer is not None:  # a requeued SLURM job would diverge the same way
-            record_stop(trainer.cfg.run_dir, f"error: {error}", DIVERGED_EXIT_CODE)
+            record_stop(trainer.cfg.run_dir, message, DIVERGED_EXIT_CODE)
 
 
 _run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)

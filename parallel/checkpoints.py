@@ -22,7 +22,6 @@ of the pipeline module carry the layer's plan index, not its stage, so they do n
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -38,6 +37,7 @@ import torch
 from model.config import ModelConfig
 from model.transformer import EncoderDecoder, layer_plan
 from parallel.accelerator import HOST
+from parallel.manifest import replacing
 from parallel.pipeline import plain_state_dict
 
 CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
@@ -189,14 +189,8 @@ def consolidate(source: str, out_path: str, tag: str | None = None) -> dict:
     """Write the consolidated model file atomically; returns its `source` record."""
     package = consolidated_dict(source, tag)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    try:
+    with replacing(out_path) as tmp:
         torch.save(package, tmp)
-        os.replace(tmp, out_path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
     return package["source"]
 
 

@@ -55,20 +55,26 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, text: str) -> None:
-    """`text` into `path` whole or not at all (a temporary file, fsync, rename); nothing is left
-    behind when writing fails."""
+@contextlib.contextmanager
+def replacing(path: str):
+    """Yields a temporary name beside `path` to write; when the block ends normally it replaces
+    `path` (a rename), otherwise it is removed: `path` is either whole or untouched."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: str, text: str) -> None:
+    """`text` into `path` whole or not at all (`replacing`, fsynced, then the folder fsynced)."""
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(os.path.dirname(path) or ".")
 
 

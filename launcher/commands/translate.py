@@ -214,6 +214,7 @@ def check_paths(input_path: str | None, output_path: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from parallel.checkpoints import CheckpointError
+    from parallel.manifest import replacing
 
     try:
         check_paths(args.input, args.output)
@@ -234,15 +235,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.output:
                 lines, tokens = translate_stream(translator, source, sys.stdout, args.to, options)
             else:  # written under a temporary name: no half-written output file
-                tmp = f"{args.output}.tmp"
-                try:
-                    with open(tmp, "w", encoding="utf-8") as sink:
-                        lines, tokens = translate_stream(translator, source, sink, args.to, options)
-                    os.replace(tmp, args.output)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        os.remove(tmp)
-                    raise
+                with replacing(args.output) as tmp, open(tmp, "w", encoding="utf-8") as sink:
+                    lines, tokens = translate_stream(translator, source, sink, args.to, options)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
