@@ -1,5 +1,6 @@
-"""`./run.sh bench model`: the plain model's training step with torch's dropout and with the
-hashed CPU dropout (model/dropout.py), steps interleaved in one process.
+"""`./run.sh bench model`: the plain model's training step with torch's operators and with the
+project's CPU kernels (model/kernels.py: the hashed dropout and attention for short sequences),
+steps interleaved in one process.
 
     ./run.sh bench model [--model tiny-100-100,base-6-6] [--batch 32 --src 32 --tgt 32]
                          [--warmup 2] [--steps 8] [--threads 1] [--against REV] [--out DIR]
@@ -7,13 +8,15 @@ hashed CPU dropout (model/dropout.py), steps interleaved in one process.
 Per named shape (configs/<name>.yaml's model, its dropout as configured): the plain
 `EncoderDecoder` trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens
 (forward, label-smoothed loss, backward, global-norm clipping at 1, fused AdamW), fp32 on
-`--threads` threads. Two models with the same weights, one per variant ("torch": torch's dropout
-and α·x + dropout(y) as separate ops, the model before the kernel; "hashed": the kernel, α·x +
-dropout(y) in one pass), take steps in turn (A, B, A, B, ...), so both see the same load; CPU
+`--threads` threads. Two models with the same weights, one per variant ("torch": torch's dropout,
+α·x + dropout(y) as separate ops and torch's attention, the model before the kernels; "kernels":
+the hashed dropout with α·x + dropout(y) in one pass, and model/attention.py's kernel), take steps
+in turn (A, B, A, B, ...), so both see the same load; CPU
 seconds per step (`time.process_time`, steadier than wall time on a shared machine), median over
 the measured steps, target tokens per CPU-second and the speed-up. Then the same at dropout 0
-(every dropout off: both variants run the same ops, so their losses must be equal), with the
-largest relative difference of their losses over the measured steps.
+(every dropout off: the variants differ only in the attention kernel's summation order, so their
+losses must agree to rounding), with the largest relative difference of their losses over the
+measured steps.
 
 `--against REV` adds a third variant: the `model` package as of git revision REV of this
 repository (`git archive`, imported as its own package next to today's), with the same initial
@@ -43,7 +46,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-VARIANTS = ("torch", "hashed")
+VARIANTS = ("torch", "kernels")
 
 
 class BenchError(Exception):
@@ -119,10 +122,10 @@ def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
 
     import torch
 
-    from model.dropout import torch_dropout
+    from model.kernels import torch_ops
     from model.transformer import EncoderDecoder
 
-    variants = {name: (EncoderDecoder, cfg, None, torch_dropout if name == "torch" else contextlib.nullcontext)
+    variants = {name: (EncoderDecoder, cfg, None, torch_ops if name == "torch" else contextlib.nullcontext)
                 for name in VARIANTS}
     if against is not None:
         commit, old = against
@@ -170,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from model.dropout import kernels
+    from model.kernels import kernels
     from parallel.accelerator import keep_freed_host_memory
     from parallel.planner import named_model
 
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     kept = keep_freed_host_memory()  # as every training rank does (parallel.engine.setup_distributed)
     if kernels() is None:
-        print("error: the hashed dropout kernel could not be built (see the warning above)", file=sys.stderr)
+        print("error: the CPU kernels could not be built (see the warning above)", file=sys.stderr)
         return 1
     load_before = os.getloadavg()
     names = list(VARIANTS) + ([against[0]] if against else [])
@@ -206,16 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             row = {"model": name, "dropout": dropout, "layers": f"{cfg.encoder_layers}L-{cfg.decoder_layers}L",
                    "d_model": cfg.d_model, **{f"{v}_cpu_s": median[v] for v in VARIANTS},
                    **{f"{v}_tokens_per_cpu_s": target / median[v] for v in VARIANTS},
-                   "speedup": median["torch"] / median["hashed"], "steps": result,
-                   "max_rel_loss_diff": _max_rel_diff(result["torch"]["losses"], result["hashed"]["losses"])}
+                   "speedup": median["torch"] / median["kernels"], "steps": result,
+                   "max_rel_loss_diff": _max_rel_diff(result["torch"]["losses"], result["kernels"]["losses"])}
             line = (f"{name} dropout {dropout}: torch {median['torch']:.3f} CPU-s/step ({row['torch_tokens_per_cpu_s']:.0f} "
-                    f"tgt tok/CPU-s), hashed {median['hashed']:.3f} ({row['hashed_tokens_per_cpu_s']:.0f}): "
+                    f"tgt tok/CPU-s), kernels {median['kernels']:.3f} ({row['kernels_tokens_per_cpu_s']:.0f}): "
                     f"{row['speedup']:.3f}x; losses differ by ≤ {row['max_rel_loss_diff']:.1e} (relative)")
             if against:
                 commit = against[0]
                 row["against"] = {"commit": commit, "cpu_s": median[commit], "tokens_per_cpu_s": target / median[commit],
-                                  "speedup": median[commit] / median["hashed"],
-                                  "max_rel_loss_diff": _max_rel_diff(result[commit]["losses"], result["hashed"]["losses"])}
+                                  "speedup": median[commit] / median["kernels"],
+                                  "max_rel_loss_diff": _max_rel_diff(result[commit]["losses"], result["kernels"]["losses"])}
                 line += (f"; {commit} {median[commit]:.3f} ({row['against']['tokens_per_cpu_s']:.0f}): today "
                          f"{row['against']['speedup']:.3f}x, losses differ by ≤ {row['against']['max_rel_loss_diff']:.1e}")
             rows.append(row)
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
              f"(median); load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; freed host memory "
              f"{'kept for reuse' if kept else 'returned to the system (glibc defaults)'}.", ""]
-    header = ("| model | dropout | torch CPU s | hashed CPU s | torch tgt tok/CPU-s | hashed tgt tok/CPU-s | speed-up "
+    header = ("| model | dropout | torch CPU s | kernels CPU s | torch tgt tok/CPU-s | kernels tgt tok/CPU-s | speed-up "
               "| max relative loss difference |")
     if against:
         commit = against[0]
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [header, "|---" * (12 if against else 8) + "|"]
     for r in rows:
         line = (f"| {r['model']} ({r['layers']} d={r['d_model']}) | {r['dropout']} | {r['torch_cpu_s']:.3f} "
-                f"| {r['hashed_cpu_s']:.3f} | {r['torch_tokens_per_cpu_s']:.0f} | {r['hashed_tokens_per_cpu_s']:.0f} "
+                f"| {r['kernels_cpu_s']:.3f} | {r['torch_tokens_per_cpu_s']:.0f} | {r['kernels_tokens_per_cpu_s']:.0f} "
                 f"| {r['speedup']:.3f} | {r['max_rel_loss_diff']:.1e} |")
         if against:
             a = r["against"]

@@ -9,82 +9,19 @@ values scaled by 1/(1 − p)), reproducible under `torch.manual_seed`, restored 
 checkpointing and DeepSpeed's model-parallel RNG tracker like torch's draws; the masks differ
 from torch's. No library offers a CPU dropout that is not per-element Bernoulli draws.
 
-The kernel is compiled on first use (torch.utils.cpp_extension, ~30 s, cached per CPU model in
-torch's extension directory, `TORCH_EXTENSIONS_DIR`): a run's first step, or the test suite's
-start. Where it cannot be built, torch's dropout runs instead and one warning says why.
+The kernel is built with the attention kernel, on first use (model/kernels.py).
 """
 from __future__ import annotations
-
-import contextlib
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "dropout.cpp")
-_kernels: object | None = None
-_failed: str | None = None
-_torch_only = False
-
-
-@contextlib.contextmanager
-def torch_dropout():
-    """Within: torch's dropout, the model's op before the hashed kernel (`./run.sh bench model`
-    compares the two)."""
-    global _torch_only
-    saved, _torch_only = _torch_only, True
-    try:
-        yield
-    finally:
-        _torch_only = saved
-
-
-def _cpu_model() -> str:
-    """The CPU model and its flags (the build uses -march=native: one build per kind of CPU)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = [platform.processor()]
-    return hashlib.sha256((platform.machine() + "".join(lines)).encode()).hexdigest()[:10]
-
-
-def kernels():
-    """The compiled CPU kernels, or None (with one warning) where they cannot be built."""
-    global _kernels, _failed
-    if _kernels is None and _failed is None:
-        try:
-            from torch.utils.cpp_extension import load
-
-            here = os.path.dirname(sys.executable)  # the virtualenv's ninja (a DeepSpeed requirement)
-            if shutil.which("ninja") is None and shutil.which("ninja", path=here):
-                os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-            log.info("loading the CPU dropout kernel (compiled once per CPU model, ~30 s): %s", SOURCE)
-            builder = logging.getLogger("torch.utils.cpp_extension")  # its compiler banner: ours says it
-            level = builder.level
-            builder.setLevel(logging.ERROR)
-            try:
-                _kernels = load(name=f"deepnet_dropout_{_cpu_model()}", sources=[SOURCE],
-                                extra_cflags=["-O3", "-march=native"], verbose=False)
-            finally:
-                builder.setLevel(level)
-        except Exception as error:  # no compiler, no ninja, a read-only cache: torch's dropout
-            lines = str(error).strip().splitlines()
-            _failed = f"{type(error).__name__}: {lines[-1] if lines else ''}"
-            log.warning("fast CPU dropout unavailable: could not build %s with g++ and ninja (%s); using "
-                        "torch's dropout (same statistics, slower on CPUs)", SOURCE, _failed)
-    return _kernels
+from model.kernels import enabled, kernels
 
 
 def _usable(y: torch.Tensor, p: float) -> bool:
-    return not _torch_only and y.is_cpu and y.dtype in (torch.float32, torch.float64) and p < 1.0 and kernels() is not None
+    return y.is_cpu and y.dtype in (torch.float32, torch.float64) and p < 1.0 and enabled()
 
 
 class _DropoutAdd(torch.autograd.Function):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import attention
 from model.config import ModelConfig
 from model.dropout import Dropout
 from model.norms import StackNorm
@@ -86,36 +87,30 @@ class MultiheadAttention(nn.Module):
         # Sub-LN's LayerNorm before the output projection (eq. 6); Identity for other strategies.
         self.inner_norm = norm.inner_norm(where, d, cfg.layernorm_eps)
 
-    def _split(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        return x.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-
     def forward(self, query: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None = None,
                 causal: bool = False, cache: dict | None = None, static_kv: bool = False) -> torch.Tensor:
         """`mask` is boolean, broadcastable to [B, H, Tq, Tk], True where attention is allowed.
 
         Incremental decoding passes a `cache` dict (one per attention per layer). Self-attention
-        (static_kv=False) appends this step's keys/values to cache['k'/'v'] and attends to all of
-        them (the query is the newest position, so no causal mask is needed); cross-attention
-        (static_kv=True) projects the encoder output once and reuses it on later steps.
+        (static_kv=False) appends this step's keys/values ([B, T, d]) to cache['k'/'v'] and attends
+        to all of them (the query is the newest position, so no causal mask is needed);
+        cross-attention (static_kv=True) projects the encoder output once and reuses it on later
+        steps.
         """
-        q = self._split(self.q_proj(query))
+        q = self.q_proj(query)
         if cache is not None and static_kv and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
-            k = self._split(self.k_proj(memory))
-            v = self._split(self.v_proj(memory))
+            k, v = self.k_proj(memory), self.v_proj(memory)
             if cache is not None:
                 if not static_kv and "k" in cache:
-                    k = torch.cat([cache["k"], k], dim=2)
-                    v = torch.cat([cache["v"], v], dim=2)
+                    k = torch.cat([cache["k"], k], dim=1)
+                    v = torch.cat([cache["v"], v], dim=1)
                 cache["k"], cache["v"] = k, v
         if cache is not None and not static_kv:
-            causal = causal and q.size(2) > 1  # a single new query may see every cached key
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                             dropout_p=self.dropout if self.training else 0.0)
-        b, _, t, _ = out.shape
-        return self.out_proj(self.inner_norm(out.transpose(1, 2).reshape(b, t, -1)))
+            causal = causal and q.size(1) > 1  # a single new query may see every cached key
+        out = attention(q, k, v, self.heads, mask, causal, self.dropout if self.training else 0.0)
+        return self.out_proj(self.inner_norm(out))
 
 
 class FeedForward(nn.Module):

@@ -15,9 +15,9 @@ if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the ac
 
 
 def pytest_sessionstart(session) -> None:
-    """Build the CPU dropout kernel once (model/dropout.py, ~30 s on a fresh machine) before any
-    test launches ranks that would each wait for the build."""
-    from model.dropout import kernels
+    """Build the CPU kernels once (model/kernels.py, ~40 s on a fresh machine) before any test
+    launches ranks that would each wait for the build."""
+    from model.kernels import kernels
 
     kernels()
 

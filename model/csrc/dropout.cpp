@@ -9,7 +9,8 @@
 // generator per call, so torch.manual_seed, get/set_rng_state, DeepSpeed's model-parallel RNG
 // tracker and activation checkpointing's RNG restore govern the masks as they govern torch's.
 // The backward recomputes the mask from the seed: nothing is stored.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -126,10 +127,4 @@ std::vector<torch::Tensor> dropout_add_backward(const torch::Tensor& g_in, doubl
     });
   });
   return {gx, gy};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("draw_seed", &draw_seed, "one 64-bit draw of torch's default CPU generator");
-  m.def("dropout_add", &dropout_add, "alpha * x + dropout(y) (x optional)");
-  m.def("dropout_add_backward", &dropout_add_backward, "gradients of alpha * x + dropout(y)");
 }
