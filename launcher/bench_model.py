@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -118,8 +119,6 @@ def _step(model, optimizer, batch, cfg, loss_sum=None) -> float:
 def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
     """The variants' interleaved steps on `cfg` (plus `against`'s model: (commit, its
     transformer module)): CPU seconds and losses per measured step."""
-    import contextlib
-
     import torch
 
     from model.kernels import torch_ops
@@ -149,6 +148,36 @@ def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
                 run["cpu_s"].append(seconds)
                 run["losses"].append(loss)
     return {name: {"cpu_s": run["cpu_s"], "losses": run["losses"]} for name, run in runs.items()}
+
+
+def attention_times(cfg, batch: int, src: int, tgt: int, reps: int = 200) -> list[dict]:
+    """One attention call's forward + backward at the shape's sizes (encoder self-attention,
+    decoder causal self-attention, cross-attention), model/attention.py as the model calls it and
+    within `torch_ops()` (torch's SDPA), calls alternated: median CPU microseconds of each."""
+    import torch
+
+    from model.attention import attention
+    from model.kernels import torch_ops
+
+    generator = torch.Generator().manual_seed(7)
+    results = []
+    for kind, tq, tk, causal in (("self", src, src, False), ("causal self", tgt, tgt, True), ("cross", tgt, src, False)):
+        q, k, v = (torch.randn(batch, n, cfg.d_model, generator=generator).requires_grad_() for n in (tq, tk, tk))
+        grad = torch.randn(batch, tq, cfg.d_model, generator=generator)
+        times = {"kernel": [], "torch": []}
+        for i in range(reps + 10):
+            for variant, context in (("kernel", contextlib.nullcontext), ("torch", torch_ops)):
+                q.grad = k.grad = v.grad = None
+                with context():
+                    start = time.process_time()
+                    attention(q, k, v, cfg.heads, None, causal).backward(grad)
+                    seconds = time.process_time() - start
+                if i >= 10:
+                    times[variant].append(seconds * 1e6)
+        kernel, sdpa = statistics.median(times["kernel"]), statistics.median(times["torch"])
+        results.append({"attention": kind, "queries": tq, "keys": tk, "kernel_us": kernel, "torch_us": sdpa,
+                        "speedup": sdpa / kernel})
+    return results
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -191,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     names = list(VARIANTS) + ([against[0]] if against else [])
     rows = []
+    attention_rows = []
     for name, cfg in shapes.items():
+        for a in attention_times(cfg, args.batch, args.src, args.tgt):
+            attention_rows.append({"model": name, **a})
+            print(f"{name} attention ({a['attention']}, {args.batch} × {cfg.heads} heads × {a['queries']} × {a['keys']}) "
+                  f"forward + backward: kernel {a['kernel_us']:.0f} µs, torch's SDPA {a['torch_us']:.0f} µs: "
+                  f"{a['speedup']:.2f}x", flush=True)
         generator = torch.Generator().manual_seed(123)
         tokens = torch.randint(4, cfg.vocab_size, (args.batch, args.src + args.tgt + 1), generator=generator)
         batch = {"src": tokens[:, :args.src].contiguous(), "tgt_in": tokens[:, args.src:-1].contiguous(),
@@ -244,10 +279,16 @@ def main(argv: list[str] | None = None) -> int:
             a = r["against"]
             line += f" {a['cpu_s']:.3f} | {a['tokens_per_cpu_s']:.0f} | {a['speedup']:.3f} | {a['max_rel_loss_diff']:.1e} |"
         lines.append(line)
+    lines += ["", "One attention call, forward + backward (model/attention.py against torch's SDPA, alternated, "
+              "median CPU µs):", "", "| model | attention | queries × keys | kernel µs | SDPA µs | speed-up |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {a['model']} | {a['attention']} | {a['queries']} × {a['keys']} | {a['kernel_us']:.0f} "
+              f"| {a['torch_us']:.0f} | {a['speedup']:.2f} |" for a in attention_rows]
     with open(os.path.join(args.out, "model.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "model.json"), "w") as f:
-        json.dump({"args": vars(args), "load_before": load_before, "rows": rows}, f, indent=1)
+        json.dump({"args": vars(args), "load_before": load_before, "rows": rows, "attention": attention_rows}, f,
+                  indent=1)
     print(f"wrote {args.out}/model.md, {args.out}/model.json")
     return 0
 

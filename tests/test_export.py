@@ -140,7 +140,9 @@ def test_deepnorm_difference_is_the_layernorm_epsilon(deepnorm_model, tiny_data,
                 module.eps = 1e-5 / alpha**2
     exact = diff()
     print(f"deepnorm: max |Δ logit| {as_exported:.2e} with ε = 1e-5, {exact:.2e} with ε/α²")
-    assert as_exported <= 1e-4 and exact < as_exported
+    # the ε difference alone moves the logits by ~1e-4 (8e-5 to 1.1e-4 as the trained weights
+    # vary); with DeepNorm's ε the rest is float rounding, several times smaller
+    assert as_exported <= 2e-4 and exact <= 2e-5 and exact < as_exported / 4
     readme = open(tmp_path / "hf" / "README.md", encoding="utf-8").read()
     assert "ε/α²" in readme and "<2de>" in readme
 
