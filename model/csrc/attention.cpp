@@ -26,222 +26,192 @@ namespace {
 
 constexpr int kMax = kShortAttentionMax;
 
-// C[r][0:8·NV] = alpha · Σ_k A[r][k] · B[k][0:8·NV] for R rows: accumulators as named variables
-// (GCC keeps an accumulator array on the stack, a store per FMA).
-inline void block6x2(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-      c01 = _mm256_fmadd_ps(x, b1, c01);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 1 * lda + k);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-      c11 = _mm256_fmadd_ps(x, b1, c11);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 2 * lda + k);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-      c21 = _mm256_fmadd_ps(x, b1, c21);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 3 * lda + k);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-      c31 = _mm256_fmadd_ps(x, b1, c31);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 4 * lda + k);
-      c40 = _mm256_fmadd_ps(x, b0, c40);
-      c41 = _mm256_fmadd_ps(x, b1, c41);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 5 * lda + k);
-      c50 = _mm256_fmadd_ps(x, b0, c50);
-      c51 = _mm256_fmadd_ps(x, b1, c51);
-    }
-  }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
-  _mm256_storeu_ps(C + 0 * ldc + 8, _mm256_mul_ps(alpha, c01));
-  _mm256_storeu_ps(C + 1 * ldc + 0, _mm256_mul_ps(alpha, c10));
-  _mm256_storeu_ps(C + 1 * ldc + 8, _mm256_mul_ps(alpha, c11));
-  _mm256_storeu_ps(C + 2 * ldc + 0, _mm256_mul_ps(alpha, c20));
-  _mm256_storeu_ps(C + 2 * ldc + 8, _mm256_mul_ps(alpha, c21));
-  _mm256_storeu_ps(C + 3 * ldc + 0, _mm256_mul_ps(alpha, c30));
-  _mm256_storeu_ps(C + 3 * ldc + 8, _mm256_mul_ps(alpha, c31));
-  _mm256_storeu_ps(C + 4 * ldc + 0, _mm256_mul_ps(alpha, c40));
-  _mm256_storeu_ps(C + 4 * ldc + 8, _mm256_mul_ps(alpha, c41));
-  _mm256_storeu_ps(C + 5 * ldc + 0, _mm256_mul_ps(alpha, c50));
-  _mm256_storeu_ps(C + 5 * ldc + 8, _mm256_mul_ps(alpha, c51));
+// Products C = alpha · A · B on tiles: B [K][N] with rows of 8 or 16 floats per strip, A either
+// [M][K] (row r at A + r·lda) or, AT, stored transposed as [K][M] (so Pᵀ·dO and dSᵀ·Q need no
+// transpose). Accumulators are named variables: held in an array, GCC 12 kept them on the stack,
+// a store after every FMA, which made an earlier version of this kernel no faster than torch's.
+template <bool AT>
+inline __m256 a_at(const float* A, int64_t lda, int r, int k) {
+  return _mm256_broadcast_ss(AT ? A + static_cast<int64_t>(k) * lda + r : A + r * lda + k);
 }
 
-inline void block3x2(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-      c01 = _mm256_fmadd_ps(x, b1, c01);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 1 * lda + k);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-      c11 = _mm256_fmadd_ps(x, b1, c11);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 2 * lda + k);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-      c21 = _mm256_fmadd_ps(x, b1, c21);
-    }
+#define ACC2(r) __m256 c##r##0 = _mm256_setzero_ps(), c##r##1 = _mm256_setzero_ps()
+#define FMA2(r)                                        \
+  {                                                    \
+    const __m256 x = a_at<AT>(A, lda, r, k);           \
+    c##r##0 = _mm256_fmadd_ps(x, b0, c##r##0);         \
+    c##r##1 = _mm256_fmadd_ps(x, b1, c##r##1);         \
   }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
-  _mm256_storeu_ps(C + 0 * ldc + 8, _mm256_mul_ps(alpha, c01));
-  _mm256_storeu_ps(C + 1 * ldc + 0, _mm256_mul_ps(alpha, c10));
-  _mm256_storeu_ps(C + 1 * ldc + 8, _mm256_mul_ps(alpha, c11));
-  _mm256_storeu_ps(C + 2 * ldc + 0, _mm256_mul_ps(alpha, c20));
-  _mm256_storeu_ps(C + 2 * ldc + 8, _mm256_mul_ps(alpha, c21));
+#define OUT2(r)                                                         \
+  _mm256_storeu_ps(C + (r) * ldc, _mm256_mul_ps(alpha, c##r##0));     \
+  _mm256_storeu_ps(C + (r) * ldc + 8, _mm256_mul_ps(alpha, c##r##1))
+#define ACC1(r) __m256 c##r = _mm256_setzero_ps()
+#define FMA1(r) c##r = _mm256_fmadd_ps(a_at<AT>(A, lda, r, k), b0, c##r)
+#define OUT1(r) _mm256_storeu_ps(C + (r) * ldc, _mm256_mul_ps(alpha, c##r))
+
+// 6 rows × 16 columns: 12 accumulators, enough independent FMAs to hide their latency.
+template <bool AT>
+inline void block6x16(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                      __m256 alpha) {
+  ACC2(0); ACC2(1); ACC2(2); ACC2(3); ACC2(4); ACC2(5);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    FMA2(0); FMA2(1); FMA2(2); FMA2(3); FMA2(4); FMA2(5);
+  }
+  OUT2(0); OUT2(1); OUT2(2); OUT2(3); OUT2(4); OUT2(5);
 }
 
-inline void block1x2(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-      c01 = _mm256_fmadd_ps(x, b1, c01);
-    }
+template <bool AT>
+inline void block1x16(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                      __m256 alpha) {
+  ACC2(0);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    FMA2(0);
   }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
-  _mm256_storeu_ps(C + 0 * ldc + 8, _mm256_mul_ps(alpha, c01));
+  OUT2(0);
 }
 
-inline void block8x1(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c60 = _mm256_setzero_ps(), c70 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 1 * lda + k);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 2 * lda + k);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 3 * lda + k);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 4 * lda + k);
-      c40 = _mm256_fmadd_ps(x, b0, c40);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 5 * lda + k);
-      c50 = _mm256_fmadd_ps(x, b0, c50);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 6 * lda + k);
-      c60 = _mm256_fmadd_ps(x, b0, c60);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 7 * lda + k);
-      c70 = _mm256_fmadd_ps(x, b0, c70);
-    }
+template <bool AT>
+inline void block4x16(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                      __m256 alpha) {
+  ACC2(0); ACC2(1); ACC2(2); ACC2(3);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    FMA2(0); FMA2(1); FMA2(2); FMA2(3);
   }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
-  _mm256_storeu_ps(C + 1 * ldc + 0, _mm256_mul_ps(alpha, c10));
-  _mm256_storeu_ps(C + 2 * ldc + 0, _mm256_mul_ps(alpha, c20));
-  _mm256_storeu_ps(C + 3 * ldc + 0, _mm256_mul_ps(alpha, c30));
-  _mm256_storeu_ps(C + 4 * ldc + 0, _mm256_mul_ps(alpha, c40));
-  _mm256_storeu_ps(C + 5 * ldc + 0, _mm256_mul_ps(alpha, c50));
-  _mm256_storeu_ps(C + 6 * ldc + 0, _mm256_mul_ps(alpha, c60));
-  _mm256_storeu_ps(C + 7 * ldc + 0, _mm256_mul_ps(alpha, c70));
+  OUT2(0); OUT2(1); OUT2(2); OUT2(3);
 }
 
-inline void block4x1(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c30 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 1 * lda + k);
-      c10 = _mm256_fmadd_ps(x, b0, c10);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 2 * lda + k);
-      c20 = _mm256_fmadd_ps(x, b0, c20);
-    }
-    { const __m256 x = _mm256_broadcast_ss(A + 3 * lda + k);
-      c30 = _mm256_fmadd_ps(x, b0, c30);
-    }
+template <bool AT>
+inline void block2x16(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                      __m256 alpha) {
+  ACC2(0); ACC2(1);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    FMA2(0); FMA2(1);
   }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
-  _mm256_storeu_ps(C + 1 * ldc + 0, _mm256_mul_ps(alpha, c10));
-  _mm256_storeu_ps(C + 2 * ldc + 0, _mm256_mul_ps(alpha, c20));
-  _mm256_storeu_ps(C + 3 * ldc + 0, _mm256_mul_ps(alpha, c30));
+  OUT2(0); OUT2(1);
 }
 
-inline void block1x1(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                        float* __restrict C, int64_t ldc, int kk, __m256 alpha) {
-  __m256 c00 = _mm256_setzero_ps();
-  for (int k = 0; k < kk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb + 0);
-    { const __m256 x = _mm256_broadcast_ss(A + 0 * lda + k);
-      c00 = _mm256_fmadd_ps(x, b0, c00);
-    }
+// 8 rows × 8 columns (the last strip of a width that is not a multiple of 16).
+template <bool AT>
+inline void block8x8(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                     __m256 alpha) {
+  ACC1(0); ACC1(1); ACC1(2); ACC1(3); ACC1(4); ACC1(5); ACC1(6); ACC1(7);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    FMA1(0); FMA1(1); FMA1(2); FMA1(3); FMA1(4); FMA1(5); FMA1(6); FMA1(7);
   }
-  _mm256_storeu_ps(C + 0 * ldc + 0, _mm256_mul_ps(alpha, c00));
+  OUT1(0); OUT1(1); OUT1(2); OUT1(3); OUT1(4); OUT1(5); OUT1(6); OUT1(7);
 }
 
-// C[i][0:n] = alpha · Σ_k A[i][k] · B[k][0:n], i < m, k < kk, n a multiple of 8: 16-column
-// strips in blocks of 6 rows (12 accumulators hide the FMA latency), then an 8-column strip.
-__attribute__((noinline)) void gemm(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb,
-                                    float* __restrict C, int64_t ldc, int m, int kk, int n, float alpha) {
+template <bool AT>
+inline void block4x8(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                     __m256 alpha) {
+  ACC1(0); ACC1(1); ACC1(2); ACC1(3);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    FMA1(0); FMA1(1); FMA1(2); FMA1(3);
+  }
+  OUT1(0); OUT1(1); OUT1(2); OUT1(3);
+}
+
+template <bool AT>
+inline void block1x8(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int k0, int k1,
+                     __m256 alpha) {
+  ACC1(0);
+  for (int k = k0; k < k1; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    FMA1(0);
+  }
+  OUT1(0);
+}
+
+#undef ACC2
+#undef FMA2
+#undef OUT2
+#undef ACC1
+#undef FMA1
+#undef OUT1
+
+// Which part of the reduction a row block needs when a causal mask zeroes part of A: all of it
+// (kAll), k < the block's last row + 1 (kUpToRow: P·V, dS·K, whose A rows are queries), or
+// k ≥ the block's first row (kFromRow: Pᵀ·dO, dSᵀ·Q, whose A rows are keys).
+enum Reduce { kAll, kUpToRow, kFromRow };
+
+// C[i][0:n] = alpha · Σ_k a(i, k) · B[k][0:n] for i < m, k < kk; n a multiple of 8.
+template <bool AT>
+__attribute__((noinline)) void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                                    int m, int kk, int n, float alpha, Reduce reduce = kAll) {
   const __m256 a = _mm256_set1_ps(alpha);
+  auto range = [&](int i, int rows, int* k0, int* k1) {
+    *k0 = reduce == kFromRow ? std::min(i, kk) : 0;
+    *k1 = reduce == kUpToRow ? std::min(i + rows, kk) : kk;
+  };
+  auto row = [&](int i) { return AT ? A + i : A + i * lda; };
+  int k0, k1;
+#define RUN(R, block)                                                            \
+  {                                                                              \
+    range(i, R, &k0, &k1);                                                       \
+    block<AT>(row(i), lda, B + c, ldb, C + i * ldc + c, ldc, k0, k1, a);         \
+    i += R;                                                                      \
+  }
   int c = 0;
-  for (; c + 16 <= n; c += 16) {
+  for (; c + 16 <= n; c += 16) {  // blocks of 6 rows; the last 8 or fewer in blocks of 4, 2, 1
     int i = 0;
-    for (; i + 6 <= m; i += 6) block6x2(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
-    for (; i + 3 <= m; i += 3) block3x2(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
-    for (; i < m; ++i) block1x2(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
+    while (m - i >= 6 && m - i != 8) RUN(6, block6x16)
+    while (m - i >= 4) RUN(4, block4x16)
+    while (m - i >= 2) RUN(2, block2x16)
+    if (i < m) RUN(1, block1x16)
   }
   if (c < n) {
     int i = 0;
-    for (; i + 8 <= m; i += 8) block8x1(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
-    for (; i + 4 <= m; i += 4) block4x1(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
-    for (; i < m; ++i) block1x1(A + i * lda, lda, B + c, ldb, C + i * ldc + c, ldc, kk, a);
+    while (m - i >= 8) RUN(8, block8x8)
+    while (m - i >= 4) RUN(4, block4x8)
+    while (i < m) RUN(1, block1x8)
   }
+#undef RUN
 }
 
-inline void gemm_n(int nv, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int m,
-                   int kk, float alpha) {
-  gemm(A, lda, B, ldb, C, ldc, m, kk, 8 * nv, alpha);
+// o[c·ld + r] = x[r][c] for an 8 × 8 block held in registers.
+inline void transpose8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5, __m256 x6, __m256 x7,
+                       float* o, int64_t ld) {
+  const __m256 t0 = _mm256_unpacklo_ps(x0, x1), t1 = _mm256_unpackhi_ps(x0, x1);
+  const __m256 t2 = _mm256_unpacklo_ps(x2, x3), t3 = _mm256_unpackhi_ps(x2, x3);
+  const __m256 t4 = _mm256_unpacklo_ps(x4, x5), t5 = _mm256_unpackhi_ps(x4, x5);
+  const __m256 t6 = _mm256_unpacklo_ps(x6, x7), t7 = _mm256_unpackhi_ps(x6, x7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_storeu_ps(o + 0 * ld, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_storeu_ps(o + 1 * ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_storeu_ps(o + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_storeu_ps(o + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_storeu_ps(o + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_storeu_ps(o + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_storeu_ps(o + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_storeu_ps(o + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
 // dst[c][r] = src[r][c] for r < rows (rows padded with zeros up to a multiple of 8), c < cols
-// (a multiple of 8): 8×8 blocks through AVX registers.
+// (a multiple of 8): 8 × 8 blocks through AVX registers.
 inline void transpose(const float* __restrict src, int64_t ls, int rows, int cols, float* __restrict dst, int64_t ld) {
-  const int rp = (rows + 7) / 8 * 8;
-  for (int r0 = 0; r0 < rp; r0 += 8) {
+  int r0 = 0;
+  for (; r0 + 8 <= rows; r0 += 8) {
+    const float* s = src + r0 * ls;
+    for (int c0 = 0; c0 < cols; c0 += 8)
+      transpose8(_mm256_loadu_ps(s + c0), _mm256_loadu_ps(s + ls + c0), _mm256_loadu_ps(s + 2 * ls + c0),
+                 _mm256_loadu_ps(s + 3 * ls + c0), _mm256_loadu_ps(s + 4 * ls + c0), _mm256_loadu_ps(s + 5 * ls + c0),
+                 _mm256_loadu_ps(s + 6 * ls + c0), _mm256_loadu_ps(s + 7 * ls + c0), dst + c0 * ld + r0, ld);
+  }
+  if (r0 < rows) {  // the last, partial block of rows
     for (int c0 = 0; c0 < cols; c0 += 8) {
       __m256 x[8];
       for (int t = 0; t < 8; ++t)
         x[t] = r0 + t < rows ? _mm256_loadu_ps(src + (r0 + t) * ls + c0) : _mm256_setzero_ps();
-      const __m256 t0 = _mm256_unpacklo_ps(x[0], x[1]), t1 = _mm256_unpackhi_ps(x[0], x[1]);
-      const __m256 t2 = _mm256_unpacklo_ps(x[2], x[3]), t3 = _mm256_unpackhi_ps(x[2], x[3]);
-      const __m256 t4 = _mm256_unpacklo_ps(x[4], x[5]), t5 = _mm256_unpackhi_ps(x[4], x[5]);
-      const __m256 t6 = _mm256_unpacklo_ps(x[6], x[7]), t7 = _mm256_unpackhi_ps(x[6], x[7]);
-      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-      float* o = dst + c0 * ld + r0;
-      _mm256_storeu_ps(o + 0 * ld, _mm256_permute2f128_ps(u0, u4, 0x20));
-      _mm256_storeu_ps(o + 1 * ld, _mm256_permute2f128_ps(u1, u5, 0x20));
-      _mm256_storeu_ps(o + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
-      _mm256_storeu_ps(o + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
-      _mm256_storeu_ps(o + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
-      _mm256_storeu_ps(o + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
-      _mm256_storeu_ps(o + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
-      _mm256_storeu_ps(o + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
+      transpose8(x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7], dst + c0 * ld + r0, ld);
     }
   }
 }
@@ -362,7 +332,7 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
   const bool* pm = keep.numel() > 0 ? keep.data_ptr<bool>() : nullptr;
   const int64_t sq = q.stride(1), sk = k.stride(1), sv = v.stride(1), bq = q.stride(0), bk = k.stride(0),
                 bv = v.stride(0);
-  const int tkp = (tk + 7) / 8 * 8, dv = d / 8;
+  const int tkp = (tk + 7) / 8 * 8;
   at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float Kt[kMax * kMax];
     alignas(32) float S[kMax * kMax];
@@ -374,10 +344,10 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
       const float* V = pv + bi * bv + h * d;
       seen.set(pm == nullptr ? nullptr : pm + bi * tk, tk, tkp);
       transpose(K, sk, tk, d, Kt, kMax);
-      gemm_n(tkp / 8, Q, sq, Kt, kMax, S, kMax, tq, d, static_cast<float>(scale));
+      gemm<false>(Q, sq, Kt, kMax, S, kMax, tq, d, tkp, static_cast<float>(scale));
       softmax_rows(S, tq, seen, pl + pair * tq);
       // V rows beyond tk are never read: the product runs over the tk keys.
-      gemm_n(dv, S, kMax, V, sv, po + bi * tq * width + h * d, width, tq, tk, 1.f);
+      gemm<false>(S, kMax, V, sv, po + bi * tq * width + h * d, width, tq, tk, d, 1.f, causal ? kUpToRow : kAll);
     }
   });
   return {out, lse};
@@ -403,7 +373,6 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
     alignas(32) float Kt[kMax * kMax];
     alignas(32) float P[kMax * kMax];
     alignas(32) float dP[kMax * kMax];
-    alignas(32) float T[kMax * kMax];
     Seen seen(causal);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t bi = pair / heads, h = pair % heads;
@@ -415,7 +384,7 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
       const float* L = pl + pair * tq;
       seen.set(pm == nullptr ? nullptr : pm + bi * tk, tk, tkp);
       transpose(K, sk, tk, d, Kt, kMax);
-      gemm_n(tkp / 8, Q, sq, Kt, kMax, P, kMax, tq, d, sc);  // scores again
+      gemm<false>(Q, sq, Kt, kMax, P, kMax, tq, d, tkp, sc);  // scores again
       for (int i = 0; i < tq; ++i) {
         float* p = P + i * kMax;
         const float l = L[i];
@@ -425,7 +394,7 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
         for (int c = nb; c < seen.blocks; ++c) _mm256_storeu_ps(p + 8 * c, _mm256_setzero_ps());
       }
       transpose(V, sv, tk, d, Kt, kMax);                      // Vt
-      gemm_n(tkp / 8, G, sg, Kt, kMax, dP, kMax, tq, d, 1.f);   // dP = dO · Vᵀ
+      gemm<false>(G, sg, Kt, kMax, dP, kMax, tq, d, tkp, 1.f);  // dP = dO · Vᵀ
       for (int i = 0; i < tq; ++i) {
         const float* g = G + i * sg;
         const float* o = O + i * so;
@@ -440,13 +409,11 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
                                                      _mm256_sub_ps(_mm256_loadu_ps(ds + 8 * c), dv8)));
       }
       // dV = Pᵀ · dO
-      transpose(P, kMax, tq, tkp, T, kMax);
-      gemm_n(nvd, T, kMax, G, sg, pdv + bi * tk * width + h * d, width, tk, tq, 1.f);
+      gemm<true>(P, kMax, G, sg, pdv + bi * tk * width + h * d, width, tk, tq, d, 1.f, causal ? kFromRow : kAll);
       // dQ = scale · dS · K
-      gemm_n(nvd, dP, kMax, K, sk, pdq + bi * tq * width + h * d, width, tq, tk, sc);
+      gemm<false>(dP, kMax, K, sk, pdq + bi * tq * width + h * d, width, tq, tk, d, sc, causal ? kUpToRow : kAll);
       // dK = scale · dSᵀ · Q
-      transpose(dP, kMax, tq, tkp, T, kMax);
-      gemm_n(nvd, T, kMax, Q, sq, pdk + bi * tk * width + h * d, width, tk, tq, sc);
+      gemm<true>(dP, kMax, Q, sq, pdk + bi * tk * width + h * d, width, tk, tq, d, sc, causal ? kFromRow : kAll);
     }
   });
   return {dq, dk, dvt};
