@@ -307,6 +307,24 @@ inline void softmax_rows(float* S, int tq, const Seen& seen, float* lse) {
   }
 }
 
+// Where head h of batch element b starts in a [B, T, H·D] tensor, for pair = b·H + h.
+struct Heads {
+  int64_t heads, d;
+  inline const float* at(const float* p, int64_t batch_stride, int64_t pair) const {
+    return p + (pair / heads) * batch_stride + (pair % heads) * d;
+  }
+  inline float* at(float* p, int64_t batch_stride, int64_t pair) const {
+    return p + (pair / heads) * batch_stride + (pair % heads) * d;
+  }
+};
+
+// The scaled scores Q·Kᵀ of one pair into S (ld kMax), K transposed into Kt first.
+inline void scores(const float* Q, int64_t sq, const float* K, int64_t sk, int tq, int tk, int d, int tkp, float scale,
+                   float* Kt, float* S) {
+  transpose(K, sk, tk, d, Kt, kMax);
+  gemm<false>(Q, sq, Kt, kMax, S, kMax, tq, d, tkp, scale);
+}
+
 void check(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
               name, " must be a CPU float32 [B, T, H*D] tensor with contiguous rows");
@@ -333,21 +351,18 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
   const int64_t sq = q.stride(1), sk = k.stride(1), sv = v.stride(1), bq = q.stride(0), bk = k.stride(0),
                 bv = v.stride(0);
   const int tkp = (tk + 7) / 8 * 8;
+  const Heads where{heads, d};
   at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float Kt[kMax * kMax];
     alignas(32) float S[kMax * kMax];
     Seen seen(causal);
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t bi = pair / heads, h = pair % heads;
-      const float* Q = pq + bi * bq + h * d;
-      const float* K = pk + bi * bk + h * d;
-      const float* V = pv + bi * bv + h * d;
-      seen.set(pm == nullptr ? nullptr : pm + bi * tk, tk, tkp);
-      transpose(K, sk, tk, d, Kt, kMax);
-      gemm<false>(Q, sq, Kt, kMax, S, kMax, tq, d, tkp, static_cast<float>(scale));
+      const float* V = where.at(pv, bv, pair);
+      seen.set(pm == nullptr ? nullptr : pm + pair / heads * tk, tk, tkp);
+      scores(where.at(pq, bq, pair), sq, where.at(pk, bk, pair), sk, tq, tk, d, tkp, static_cast<float>(scale), Kt, S);
       softmax_rows(S, tq, seen, pl + pair * tq);
       // V rows beyond tk are never read: the product runs over the tk keys.
-      gemm<false>(S, kMax, V, sv, po + bi * tq * width + h * d, width, tq, tk, d, 1.f, causal ? kUpToRow : kAll);
+      gemm<false>(S, kMax, V, sv, where.at(po, tq * width, pair), width, tq, tk, d, 1.f, causal ? kUpToRow : kAll);
     }
   });
   return {out, lse};
@@ -369,22 +384,17 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
   const int64_t bq = q.stride(0), bk = k.stride(0), bv = v.stride(0), bo = out.stride(0), bg = go.stride(0);
   const int tkp = (tk + 7) / 8 * 8, nvd = d / 8;
   const float sc = static_cast<float>(scale);
+  const Heads where{heads, d};
   at::parallel_for(0, b * heads, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float Kt[kMax * kMax];
     alignas(32) float P[kMax * kMax];
     alignas(32) float dP[kMax * kMax];
     Seen seen(causal);
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t bi = pair / heads, h = pair % heads;
-      const float* Q = pq + bi * bq + h * d;
-      const float* K = pk + bi * bk + h * d;
-      const float* V = pv + bi * bv + h * d;
-      const float* O = po + bi * bo + h * d;
-      const float* G = pg + bi * bg + h * d;
-      const float* L = pl + pair * tq;
-      seen.set(pm == nullptr ? nullptr : pm + bi * tk, tk, tkp);
-      transpose(K, sk, tk, d, Kt, kMax);
-      gemm<false>(Q, sq, Kt, kMax, P, kMax, tq, d, tkp, sc);  // scores again
+      const float *Q = where.at(pq, bq, pair), *K = where.at(pk, bk, pair), *V = where.at(pv, bv, pair);
+      const float *O = where.at(po, bo, pair), *G = where.at(pg, bg, pair), *L = pl + pair * tq;
+      seen.set(pm == nullptr ? nullptr : pm + pair / heads * tk, tk, tkp);
+      scores(Q, sq, K, sk, tq, tk, d, tkp, sc, Kt, P);  // the forward's scores again
       for (int i = 0; i < tq; ++i) {
         float* p = P + i * kMax;
         const float l = L[i];
@@ -409,11 +419,11 @@ std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const 
                                                      _mm256_sub_ps(_mm256_loadu_ps(ds + 8 * c), dv8)));
       }
       // dV = Pᵀ · dO
-      gemm<true>(P, kMax, G, sg, pdv + bi * tk * width + h * d, width, tk, tq, d, 1.f, causal ? kFromRow : kAll);
+      gemm<true>(P, kMax, G, sg, where.at(pdv, tk * width, pair), width, tk, tq, d, 1.f, causal ? kFromRow : kAll);
       // dQ = scale · dS · K
-      gemm<false>(dP, kMax, K, sk, pdq + bi * tq * width + h * d, width, tq, tk, d, sc, causal ? kUpToRow : kAll);
+      gemm<false>(dP, kMax, K, sk, where.at(pdq, tq * width, pair), width, tq, tk, d, sc, causal ? kUpToRow : kAll);
       // dK = scale · dSᵀ · Q
-      gemm<true>(dP, kMax, Q, sq, pdk + bi * tk * width + h * d, width, tk, tq, d, sc, causal ? kFromRow : kAll);
+      gemm<true>(dP, kMax, Q, sq, where.at(pdk, tk * width, pair), width, tk, tq, d, sc, causal ? kFromRow : kAll);
     }
   });
   return {dq, dk, dvt};
