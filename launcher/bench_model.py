@@ -68,7 +68,7 @@ def model_at(rev: str, repo: str = REPO):
         raise BenchError(f"--against {rev}: commit {commit} has no model/ package to compare with")
     name = f"model_at_{commit}"
     root = tempfile.mkdtemp(prefix="bench-model-")
-    atexit.register(shutil.rmtree, root, True)  # read until the end: its dropout kernel builds on first use
+    atexit.register(shutil.rmtree, root, True)  # read until the end: its CPU kernels build on first use
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:  # our own repository's files
         tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     package = os.path.join(root, name)

@@ -274,7 +274,8 @@ def profile_step(trainer: object, path: str) -> dict:
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
     groups = {"matmul": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear"),
               "attention": ("aten::_scaled_dot_product", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                            "aten::_scaled_dot_product_flash_attention_for_cpu_backward")}
+                            "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                            "deepnet::short_attention")}  # model/csrc/attention.cpp, forward and backward
     shares = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total
               for name, prefixes in groups.items()}
     shares["other"] = 1.0 - sum(shares.values())

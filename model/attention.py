@@ -15,8 +15,9 @@ width a multiple of 8 and at most 64, no attention dropout, and a mask that is N
 key-padding mask of `model.layers.padding_mask` ([B, 1, 1, Tk] bool); causal masking is SDPA's
 (query i sees keys j ≤ i). Its results equal SDPA's to float32 rounding (a different summation
 order and its own e^x: ~1e-7 relative; tests/test_attention.py). Anything else, GPUs, other
-dtypes, incremental decoding, a CPU without AVX2/FMA or a machine that cannot build the kernels,
-runs SDPA.
+dtypes, longer sequences, a CPU without AVX2/FMA or a machine that cannot build the kernels,
+runs SDPA. Incremental decoding (one query against the cached keys) takes the kernel while at
+most 64 keys are cached.
 """
 from __future__ import annotations
 

@@ -59,6 +59,8 @@ def test_the_kernel_is_built_here():
     (3, 64, 64, 1, 64, True, False),  # the longest queries, the widest head
     (2, 1, 9, 2, 8, False, False),  # one query (incremental decoding)
     (6, 20, 20, 3, 24, True, False),  # three heads of 24, causal
+    (3, 12, 20, 2, 16, True, False),  # causal, more keys than queries (keys past the last query)
+    (3, 20, 12, 2, 16, True, False),  # causal, more queries than keys
 ])
 def test_matches_float64_as_closely_as_torchs_sdpa(shape):
     b, tq, tk, heads, dim, causal, pad = shape
@@ -96,6 +98,9 @@ def test_a_row_that_sees_no_key_gives_zeros_not_nan():
     assert _uses_kernel(out)
     assert torch.isfinite(out).all() and out[1].abs().max() == 0
     assert all(torch.isfinite(g).all() and g[1].abs().max() == 0 for g in grads[1:])
+    # as torch's SDPA does, so the result does not change with the sequence length
+    _, theirs = _run(_sdpa, q, k, v, go, torch.float32, heads=2, mask=mask)
+    assert all(t[1].abs().max() == 0 for t in theirs)
 
 
 def test_results_do_not_depend_on_batch_split_threads_or_strides():
@@ -123,6 +128,15 @@ def test_results_do_not_depend_on_batch_split_threads_or_strides():
     assert torch.equal(out.detach().double(), whole[0])
     assert torch.equal(leaves[0].grad[:, :, :32].double(), whole[1]) and leaves[0].grad[:, :, 32:].abs().max() == 0
     assert torch.equal(leaves[1].grad.double(), torch.cat([whole[2], whole[3]], dim=2))
+
+
+def test_keys_broadcast_over_the_batch_read_with_stride_0():
+    q, k, v, _ = _inputs(4, 10, 12, 2, 8)
+    q.requires_grad_()
+    k1, v1 = k[:1], v[:1]
+    out = attention(q, k1.expand(4, -1, -1), v1.expand(4, -1, -1), 2)
+    assert _uses_kernel(out) and k1.expand(4, -1, -1).stride(0) == 0
+    assert torch.equal(out, attention(q, k1.repeat(4, 1, 1), v1.repeat(4, 1, 1), 2))
 
 
 def test_checkpointing_recomputes_the_same_gradients():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model with torch's and the hashed CPU dropout, steps interleaved)"
+HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model with torch's operators and with the CPU kernels, hashed dropout and short-sequence attention, steps interleaved)"
 
 TARGETS = {"data": "launcher.bench_data", "train": "launcher.bench_layouts", "schedules": "launcher.bench_zb", "startup": "launcher.bench_startup",
            "model": "launcher.bench_model"}

@@ -20,6 +20,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <immintrin.h>
 
 namespace {
@@ -332,6 +333,7 @@ void check(const torch::Tensor& x, const char* name) {
 
 std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                    int64_t heads, const torch::Tensor& keep, bool causal, double scale) {
+  RECORD_FUNCTION("deepnet::short_attention_forward", std::vector<c10::IValue>({q, k, v}));
   check(q, "q");
   check(k, "k");
   check(v, "v");
@@ -371,6 +373,7 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
 std::vector<torch::Tensor> attention_backward(const torch::Tensor& go_in, const torch::Tensor& q, const torch::Tensor& k,
                                     const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse,
                                     int64_t heads, const torch::Tensor& keep, bool causal, double scale) {
+  RECORD_FUNCTION("deepnet::short_attention_backward", std::vector<c10::IValue>({go_in}));
   auto go = go_in.stride(2) == 1 ? go_in : go_in.contiguous();
   const int64_t b = q.size(0), tq = q.size(1), tk = k.size(1), width = q.size(2), d = width / heads;
   auto dq = torch::empty({b, tq, width}, q.options());
@@ -454,6 +457,7 @@ struct ShortAttention : public torch::autograd::Function<ShortAttention> {
     return result[0];
 #else
     TORCH_CHECK(false, "short attention needs a CPU with AVX2 and FMA");
+    return {};
 #endif
   }
 
@@ -467,6 +471,7 @@ struct ShortAttention : public torch::autograd::Function<ShortAttention> {
     return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
 #else
     TORCH_CHECK(false, "short attention needs a CPU with AVX2 and FMA");
+    return {};
 #endif
   }
 };
