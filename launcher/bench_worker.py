@@ -273,9 +273,8 @@ def profile_step(trainer: object, path: str) -> dict:
     with open(path, "w") as f:
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30))
     groups = {"matmul": ("aten::addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear"),
-              "attention": ("aten::_scaled_dot_product", "aten::_scaled_dot_product_flash_attention_for_cpu",
-                            "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-                            "deepnet::short_attention")}  # model/csrc/attention.cpp, forward and backward
+              # torch's SDPA (every backend and its backward), model/csrc/attention.cpp's forward and backward
+              "attention": ("aten::_scaled_dot_product", "deepnet::short_attention")}
     shares = {name: sum(e.self_cpu_time_total for e in events if e.key.startswith(prefixes)) / total
               for name, prefixes in groups.items()}
     shares["other"] = 1.0 - sum(shares.values())

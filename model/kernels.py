@@ -1,7 +1,7 @@
 """The project's CPU kernels (`model/csrc/`): the hashed dropout (model/dropout.py) and attention
 for short sequences (model/attention.py), one C++ extension.
 
-Compiled on first use (torch.utils.cpp_extension, g++ and the virtualenv's ninja, ~40 s, cached
+Compiled on first use (torch.utils.cpp_extension, g++ and the virtualenv's ninja, ~55 s on 2 cores, cached
 per CPU model in torch's extension directory, `TORCH_EXTENSIONS_DIR`): a run's first step, or the
 test suite's start. Where it cannot be built, torch's dropout and attention run instead and one
 warning says why. Within `torch_ops()` the model uses torch's operators only (`./run.sh bench
@@ -61,7 +61,7 @@ def kernels():
             here = os.path.dirname(sys.executable)  # the virtualenv's ninja (a DeepSpeed requirement)
             if shutil.which("ninja") is None and shutil.which("ninja", path=here):
                 os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
-            log.info("loading the CPU kernels (compiled once per CPU model, ~40 s): %s", CSRC)
+            log.info("loading the CPU kernels (compiled once per CPU model, ~55 s on 2 cores): %s", CSRC)
             builder = logging.getLogger("torch.utils.cpp_extension")  # its compiler banner: ours says it
             level = builder.level
             builder.setLevel(logging.ERROR)

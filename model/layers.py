@@ -79,7 +79,6 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
-        self.head_dim = d // cfg.heads
         self.dropout = cfg.attention_dropout
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
         for name, lin in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj), ("o", self.out_proj)):

@@ -339,7 +339,7 @@ std::vector<torch::Tensor> attention_forward(const torch::Tensor& q, const torch
   check(v, "v");
   TORCH_CHECK(heads > 0, "short attention: heads must be positive");
   const int64_t b = q.size(0), tq = q.size(1), tk = k.size(1), width = q.size(2), d = width / heads;
-  TORCH_CHECK(heads > 0 && width == heads * d && d % 8 == 0 && d <= kMax && tq <= kMax && tk <= kMax && tq > 0 &&
+  TORCH_CHECK(width == heads * d && d % 8 == 0 && d <= kMax && tq <= kMax && tk <= kMax && tq > 0 &&
                   tk > 0 && k.size(0) == b && v.sizes() == k.sizes() && k.size(2) == width,
               "short attention: unsupported shapes q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " with ", heads,
               " heads (sequences and head width at most ", kMax, ", head width a multiple of 8)");
