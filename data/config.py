@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from data.corpus import check_language
 from data.errors import DataError
-from model.config import NonNegative, Positive, Range, Rule, Seed, check_fields
+from schema.fields import NonNegative, Positive, Range, Rule, Seed, check_fields
 
 PositiveFloat = Annotated[float, Range(gt=0.0)]
 CorpusName = Annotated[str, Rule(lambda v: bool(v.strip()),

@@ -231,10 +231,12 @@ def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
     stale = [work, os.path.join(out_dir, "shards"), os.path.join(out_dir, "corpus")]
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
-    for name in os.listdir(out_dir):
-        # Earlier outputs, also those of the single-file layout (train.src.bin, train.dir.npy).
-        if name.startswith((*SPLITS, "spm.", "validation_report.")):
-            os.remove(os.path.join(out_dir, name))
+    outputs = [spm_model_path(out_dir), os.path.splitext(spm_model_path(out_dir))[0] + ".vocab"]
+    outputs += [split_prefix(out_dir, split) + ".shards.json" for split in SPLITS]
+    outputs += [os.path.join(out_dir, f"validation_report.{ext}") for ext in ("json", "tsv")]
+    for path in outputs:  # a preparation of another state
+        if os.path.exists(path):
+            os.remove(path)
     os.makedirs(work)
     _write_json(path, state)
     return work

@@ -1,6 +1,6 @@
 """`./run.sh experiment depth-1000`: 200L-200L and 500L-500L models trained by the real trainer.
 
-Every run is the real trainer (`launcher/train.py`) under the real deepspeed launcher as a
+Every run is the real trainer (`trainer/trainer.py`) under the real deepspeed launcher as a
 2-stage pipeline (2 CPU ranks, one thread each), on the bundled corpus, with 64-128-2 models
 (d = 64, FFN 128, 2 heads, dropout 0.1), seed 1. Two kinds of run per strategy and depth:
 
@@ -198,8 +198,8 @@ class Launch:
         if os.path.exists(self.cpu_file):
             os.remove(self.cpu_file)
         self.log = open(os.path.join(self.run_dir, "train.log"), "a")
-        script = "experiments/fig4_worker.py" if run.kind == "fig4" else "launcher/train.py"
-        command = deepspeed_command(RANKS, script, ["--config", cfg_path])
+        module = "experiments.fig4_worker" if run.kind == "fig4" else "launcher.worker"
+        command = deepspeed_command(RANKS, module, ["--config", cfg_path])
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", CPU_WRAPPER, self.cpu_file, *command],
                                          env=env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)

@@ -10,9 +10,9 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")  # no display on CI machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from experiments.report import LABELS  # noqa: E402
+from experiments.report import LABELS
 
 UPDATE_NORMS_CSV = "docs/update-norms/update_norms.csv"
 """Part 1 of update-norms (6L–100L, same recipe as the fig4 runs): drawn beside them when present."""

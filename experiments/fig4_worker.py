@@ -1,9 +1,9 @@
 """Runs under the deepspeed launcher: the first steps of a run with the stability instruments, no
 validation (a 500L-500L pass over the dev split costs minutes and says nothing about ‖ΔF‖).
 
-    deepspeed --num_gpus 2 experiments/fig4_worker.py --config RUN.yaml
+    deepspeed --num_gpus 2 --module experiments.fig4_worker --config RUN.yaml
 
-The real Trainer (launcher/train.py) with `train.instrument_interval` as configured; the training
+The real Trainer (trainer/trainer.py) with `train.instrument_interval` as configured; the training
 loss, lr and gradient norm of every step go to the same monitor CSVs as `Trainer.run` writes, and
 summary.json marks the run finished. Short by design: an interrupted run starts again from step 0.
 """
@@ -13,15 +13,13 @@ import argparse
 import json
 import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from parallel.engine import exit_rank  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from parallel.engine import exit_rank
 
 
 def main() -> None:

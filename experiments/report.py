@@ -10,7 +10,7 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")  # no display on CI machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 LABELS = {"postln": "Post-LN", "preln": "Pre-LN", "deepnorm": "DeepNet (DeepNorm)", "subln": "Sub-LN (Pre-LN DeepNet)",
           "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-xavier-1.15": "DeepNorm (Xavier, encoder constant 1.15)"}

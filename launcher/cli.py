@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pkgutil
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import launcher.commands  # noqa: E402
-from data.errors import DataError  # noqa: E402
-from launcher.config import ConfigError  # noqa: E402
+import launcher.commands
+from data.errors import DataError
+from trainer.config import ConfigError
 
 
 def commands() -> dict:

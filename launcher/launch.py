@@ -19,10 +19,11 @@ def launch_env(world_size: int) -> dict:
     return env
 
 
-def deepspeed_command(world_size: int, script: str, script_args: list[str]) -> list[str]:
-    """`deepspeed --num_gpus N script ARGS` on this node (no hostfile → local ranks only)."""
+def deepspeed_command(world_size: int, module: str, module_args: list[str]) -> list[str]:
+    """`deepspeed --num_gpus N --module MODULE ARGS` on this node (no hostfile → local ranks only);
+    the ranks run `python -m MODULE` with the repository on PYTHONPATH (`launch_env`)."""
     from parallel.engine import free_port
 
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     return [launcher, "--num_gpus", str(world_size), "--master_port", str(free_port()),
-            "--log_level", "error", os.path.join(ROOT, script), *script_args]
+            "--log_level", "error", "--module", module, *module_args]

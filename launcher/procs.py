@@ -22,39 +22,22 @@ its children, then SIGKILLs them 30 s later, and ends the rest when one rank exi
       was ignored when it started (`nohup ./run.sh train &` keeps running).
   a rank dies                                    → the supervisor names it and ends the others.
 
-The rank half (`install_rank_handlers`, `watch_owner`) runs in every training process; under SLURM
-(no supervisor; srun signals every task itself) only the signal handlers apply.
+The rank half (`install_rank_handlers`, `watch_owner`) runs in every training process and lives in
+trainer/signals.py; under SLURM (no supervisor; srun signals every task itself) only the signal
+handlers apply.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: checkpointed on request, to be resumed
-DIVERGED_EXIT_CODE = 3  # every rank stopped at the same diverged step (launcher/guard.py), not a crash
-NO_ROOM_EXIT_CODE = 4  # every rank stopped before a checkpoint the filesystem has no room for (run_state.py)
-AGREED_ENDS = (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE, NO_ROOM_EXIT_CODE)  # all ranks end alike
-OWNER_ENV = "DEEPNET_OWNER_PID"
-PR_SET_PDEATHSIG = 1
+from trainer.signals import AGREED_ENDS, OWNER_ENV, prctl_pdeathsig
+
 KILL_AFTER = 5.0  # seconds a rank gets to leave after an immediate stop before it is killed
 
-
-def _prctl_pdeathsig(sig: int) -> bool:
-    """Ask the kernel to send `sig` to this process when its parent ends (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-# ---- the supervisor ---------------------------------------------------------------------------
 
 class Supervisor:
     def __init__(self, cmd: list[str], env: dict, cwd: str, grace_seconds: float,
@@ -285,94 +268,8 @@ def die_with_parent_shell() -> None:
     """SIGHUP to this process when its parent (the shell that ran ./run.sh) ends, unless SIGHUP is
     ignored (nohup): a shell killed outright sends its jobs nothing."""
     if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
-        _prctl_pdeathsig(signal.SIGHUP)
+        prctl_pdeathsig(signal.SIGHUP)
 
 
 def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float, announce=lambda: None) -> int:
     return Supervisor(cmd, env, cwd, grace_seconds).run(announce)
-
-
-# ---- the ranks --------------------------------------------------------------------------------
-
-class StopRequest:
-    """What signals asked of this rank; read by the training loop at step boundaries."""
-
-    def __init__(self):
-        self.checkpoint = False  # SIGUSR1 / first SIGTERM: finish the step, checkpoint, exit 75
-        self.signal_name = ""
-        self.saved = False  # the stop checkpoint is committed: later signals just end the rank
-
-
-stop = StopRequest()
-
-
-def _rank() -> str:
-    return os.environ.get("RANK", "0")
-
-
-def _exit_now(code: int, why: str) -> None:
-    print(f"rank {_rank()}: {why}", file=sys.stderr, flush=True)
-    os._exit(code)
-
-
-def install_rank_handlers(grace_seconds: float) -> None:
-    """SIGUSR1 and SIGTERM ask for a checkpoint and exit at the next step boundary (the ranks agree
-    on it by an all-reduce); after SIGTERM the rank exits anyway `grace_seconds` later, without a
-    checkpoint (SLURM's KillWait is 30 s by default). A second SIGTERM, SIGINT and SIGHUP end the
-    rank at once; checkpoints are committed atomically, so none is left half-valid."""
-
-    def on_checkpoint_signal(signum, frame):
-        name = signal.Signals(signum).name
-        if stop.saved:  # the launcher ending the ranks after the checkpoint: nothing left to do
-            os._exit(PREEMPTED_EXIT_CODE)
-        if stop.checkpoint and signum == signal.SIGTERM and stop.signal_name == "SIGTERM":
-            _exit_now(143, "SIGTERM again: exiting without a checkpoint")
-        first = not stop.checkpoint
-        stop.checkpoint, stop.signal_name = True, name
-        if first and signum == signal.SIGTERM and grace_seconds > 0:
-            def out_of_grace():
-                if stop.saved:  # the checkpoint is committed; the rank is on its way out with 75
-                    return
-                _exit_now(143, f"no checkpoint within {grace_seconds:.0f} s of SIGTERM "
-                               "(train.stop_grace_seconds); exiting without one")
-
-            timer = threading.Timer(grace_seconds, out_of_grace)
-            timer.daemon = True
-            timer.start()
-
-    signal.signal(signal.SIGUSR1, on_checkpoint_signal)
-    signal.signal(signal.SIGTERM, on_checkpoint_signal)
-    # The kernel's default action ends the process at once, also while it waits inside a
-    # collective (a Python handler would run only once the call returns); the supervisor says why.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    # A file-size limit (`ulimit -f`, some clusters set one) would kill the rank mid-write; ignored,
-    # the write fails with EFBIG instead and the checkpoint save reports it (launcher/run_state.py).
-    if hasattr(signal, "SIGXFSZ"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-
-def watch_owner() -> None:
-    """Exit when the supervising ./run.sh train (DEEPNET_OWNER_PID) ends, and when this rank's
-    parent (the deepspeed launcher) ends (PR_SET_PDEATHSIG)."""
-    _prctl_pdeathsig(signal.SIGKILL)
-    owner = os.environ.get(OWNER_ENV)
-    if not owner:
-        return
-    pid = int(owner)
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        _exit_now(1, f"the ./run.sh train that started this rank (PID {pid}) is gone; exiting")
-    except (OSError, AttributeError):
-        fd = None
-
-    def wait_for_owner():
-        if fd is not None:
-            select.select([fd], [], [])  # readable once the process has exited
-        else:  # no pidfd (old kernel): poll
-            while os.path.exists(f"/proc/{pid}"):
-                time.sleep(1.0)
-        _exit_now(1, f"the ./run.sh train that started this rank (PID {pid}) is gone; exiting")
-
-    threading.Thread(target=wait_for_owner, name="owner-watch", daemon=True).start()

@@ -5,7 +5,7 @@ SLURM_LOCALID and the step's task count to RANK, LOCAL_RANK and WORLD_SIZE), ren
 job's first node, and handles preemption: SLURM signals the batch shell `signal_before` seconds
 before the time limit, the shell forwards the signal to srun, which passes it to every rank; the
 trainers save a checkpoint together and exit, and the shell requeues the job, whose next start
-resumes from that checkpoint (launcher/train.py).
+resumes from that checkpoint (trainer/trainer.py).
 """
 from __future__ import annotations
 
@@ -17,15 +17,11 @@ from dataclasses import dataclass
 
 import yaml
 
+from parallel import accelerator
+from trainer.config import RunConfig, to_dict
+from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from launcher.config import RunConfig, to_dict  # noqa: E402
-from parallel import accelerator  # noqa: E402
-
-PREEMPTED_MARKER = "preempted.json"  # written by launcher/train.py (PREEMPTED_MARKER there)
-STOPPED_MARKER = "stopped.json"  # written by the ranks when a rerun would stop the same way (run_state.py)
 
 
 @dataclass(kw_only=True)
@@ -158,7 +154,7 @@ if [ "$preempted" = 0 ]; then
   # collective. (After a preemption checkpoint the ranks exit with code 75 together; srun may
   # report the last ones as terminated.)
   srun --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node}{cpus} --kill-on-bad-exit=1 \\
-    "$PYTHON" -u launcher/train.py --config "$CONFIG" --run-dir "$RUN_DIR" &
+    "$PYTHON" -u -m launcher.worker --config "$CONFIG" --run-dir "$RUN_DIR" &
   train_pid=$!
   wait "$train_pid"; rc=$?
   # `wait` returns early when a trapped signal arrives; wait again until srun has really ended.

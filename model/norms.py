@@ -25,7 +25,7 @@ Strategies (`model.norm`), N encoder / M decoder layers, sub-layer function G:
                 decoder β and both α as the paper. It is NOT the authors' initialisation, which
                 keeps PyTorch's default nn.Linear init (uniform weights and biases) and divides
                 fc1, fc2, v_proj and out_proj by (N⁴M)^(1/16)/1.15 (encoder) or (12M)^(1/4)
-                (decoder). (Called deepnorm-torchscale until it was found to be neither.)
+                (decoder).
   subln         Sub-LN / Pre-LN DeepNet (Section IV, eqs. 5–9): Pre-LN plus a LayerNorm before
                 the attention output projection and before the FFN's second linear. As in the
                 authors' torchscale code, the inner attention LayerNorm is in self-attention only
@@ -261,17 +261,10 @@ STRATEGIES: dict[str, Callable[[int, int, int], tuple[StackNorm, StackNorm]]] = 
     "branchnorm": _branchnorm,
 }
 
-RENAMED = {"deepnorm-torchscale": "deepnorm-xavier-1.15"}
-RENAMED_WHY = {"deepnorm-torchscale": "it is Xavier init with torchscale's 1.15 encoder constant, not the "
-                                      "authors' initialisation (PyTorch's default init divided by their scale)"}
-
-
 def resolve(norm: str, encoder_layers: int, decoder_layers: int,
             max_norm_step: int = 4000) -> tuple[StackNorm, StackNorm]:
     """The (encoder, decoder) records of strategy `norm` for an N-layer encoder, M-layer decoder
     (`max_norm_step` is BranchNorm's T, ignored by the other strategies)."""
-    if norm in RENAMED:
-        raise ValueError(f"model.norm={norm!r} was renamed to {RENAMED[norm]!r}: {RENAMED_WHY[norm]}")
     if norm not in STRATEGIES:
         raise ValueError(f"model.norm={norm!r} is not a strategy; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[norm](encoder_layers, decoder_layers, max_norm_step)

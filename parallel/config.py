@@ -1,6 +1,6 @@
 """The run configuration's sections that parallel/ owns: how the model is laid out over
 processes (`parallel`) and how it is optimised (`train`). Each field declares what it accepts in
-its annotation (model/config.py's Range/Rule, Literal); launcher/config.py reads them from YAML
+its annotation (model/config.py's Range/Rule, Literal); trainer/config.py reads them from YAML
 and checks the rules across sections."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from model.config import NonNegative, Positive, Range, Rule, Seed
+from schema.fields import NonNegative, Positive, Range, Rule, Seed
 
 
 def _partition_method_ok(method: str) -> bool:
@@ -99,8 +99,8 @@ class TrainConfig:
     """Checkpoints kept on disk (oldest deleted first)."""
     instrument_interval: NonNegative = 0
     """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
-    norms, LayerNorm input sizes; see launcher/stability.py) every this many steps; 0 = off."""
-    # ---- fault tolerance (launcher/procs.py, launcher/guard.py, parallel/manifest.py) ----
+    norms, LayerNorm input sizes; see trainer/stability.py) every this many steps; 0 = off."""
+    # ---- fault tolerance (launcher/procs.py, trainer/guard.py, parallel/manifest.py) ----
     collective_timeout_seconds: Annotated[float, Range(gt=0.0)] = 600.0
     """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on
     every rank still alive, so a rank that dies ends the job instead of leaving the others hanging

@@ -30,6 +30,9 @@ from `TrainerEngine`.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 from deepspeed import comm as ds_comm
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -47,7 +50,32 @@ class TrainerEngine(PipelineEngine):
         # The module's parameters, fixed after construction: walking the module tree for them
         # costs 15 ms at 100L-100L, and DeepSpeed's paths below walk it several times a step.
         self._module_params = list(self.module.parameters())
+        self._observers: list[Callable] = []
         LeanZeroOptimizer.adopt(self.optimizer)
+
+    def observe(self, hook: Callable[[str, dict], contextlib.AbstractContextManager]) -> Callable[[], None]:
+        """Run every pipeline instruction inside `hook(name, kwargs)` (a context manager: a timer, a
+        profiler label) until the returned function is called. The one way to watch the schedule:
+        the benchmarks' timings and memory census and the zero-bubble schedule's F/B/W costs use it.
+        The engine dispatches through `self._INSTRUCTION_MAP`; an instance table of wrappers
+        shadows the class's without changing what runs."""
+        self._observers.append(hook)
+        if "_INSTRUCTION_MAP" not in vars(self):
+            def observed(name, handler):
+                def run(engine, *args, **kwargs):
+                    with contextlib.ExitStack() as stack:
+                        for watch in list(engine._observers):
+                            stack.enter_context(watch(name, kwargs))
+                        return handler(engine, *args, **kwargs)
+                return run
+
+            self._INSTRUCTION_MAP = {cls: observed(cls.__name__, fn) for cls, fn in type(self)._INSTRUCTION_MAP.items()}
+
+        def remove() -> None:
+            self._observers.remove(hook)
+            if not self._observers:
+                del self._INSTRUCTION_MAP
+        return remove
 
     def _lean_fp32(self) -> bool:
         """fp32 without ZeRO and without DeepSpeed's optimizer wrappers: the client AdamW on .grad."""

@@ -5,7 +5,7 @@ Built once per rank from `parallel:` of the run config, after torch.distributed 
 set-up (parallel/engine.py), the tensor-parallel layers, the trainer, its divergence guard and
 stability instruments, and the checkpoint and RNG files. No other code derives ranks or checks the
 layout; the rules that can be checked before any rank starts (tp divides heads, FFN width and
-vocabulary; pp at most the pipeline layers) are launcher/config.py's, on the config.
+vocabulary; pp at most the pipeline layers) are trainer/config.py's, on the config.
 
 Rank order is tensor-parallel fastest, then data-parallel, then pipeline:
     rank = stage · (dp · tp) + replica · tp + tp_rank

@@ -190,12 +190,16 @@ class ZeroBubbleEngine(TrainerEngine):
     def train_batch(self, data_iter=None):
         self._train_batches += 1
         tuning = self._train_batches == self.tune_step and self.max_pending_w != 0 and self.num_stages > 1
+        stop_timing = None
         if tuning:
             self._timings = {"F": 0.0, "B": 0.0, "W": 0.0}
+            stop_timing = self.observe(self._timed)
         try:
             loss = super().train_batch(data_iter)
         finally:
             timings, self._timings = self._timings, None
+            if stop_timing is not None:
+                stop_timing()
         if tuning:
             self._tune(timings)
         return loss
@@ -211,9 +215,13 @@ class ZeroBubbleEngine(TrainerEngine):
         rows /= ds_comm.get_world_size() // self.num_stages
         self.zb_cost = [dict(zip("FBW", row)) for row in rows.tolist()]
 
+    _PHASES = {"ForwardPass": "F", "BackwardPass": "B", "WeightPass": "W"}
+
     @contextlib.contextmanager
-    def _timed(self, kind: str):
-        if self._timings is None:
+    def _timed(self, name: str, kwargs: dict):
+        """The seconds of each F, B and W instruction of the tuning step (an `observe` hook)."""
+        kind = self._PHASES.get(name)
+        if kind is None:
             yield
             return
         clock = time.process_time if accelerator.on_host() else time.perf_counter
@@ -224,8 +232,7 @@ class ZeroBubbleEngine(TrainerEngine):
         self._timings[kind] += clock() - start
 
     def _exec_forward_pass(self, buffer_id):
-        with self._timed("F"):
-            PipelineEngine._exec_forward_pass(self, buffer_id)
+        PipelineEngine._exec_forward_pass(self, buffer_id)
         if self.is_last_stage() and self.module.training:
             self._losses[buffer_id] = self.loss
 
@@ -240,7 +247,7 @@ class ZeroBubbleEngine(TrainerEngine):
         else:
             self.grad_layer = self._received_grads.pop(buffer_id)
         deferring = self.weight_grads.collect(buffer_id) if self._split_backward else contextlib.nullcontext()
-        with self._timed("B"), deferring:
+        with deferring:
             PipelineEngine._exec_backward_pass(self, buffer_id)
         # DeepSpeed frees these when a buffer slot is reused (1F1B has 2 slots); here every
         # micro-batch has its own slot, so the last stage's logits and the first stage's tokens
@@ -252,8 +259,7 @@ class ZeroBubbleEngine(TrainerEngine):
             self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_weight_pass(self, buffer_id):
-        with self._timed("W"):
-            self.weight_grads.run(buffer_id)
+        self.weight_grads.run(buffer_id)
 
     @contextlib.contextmanager
     def _nonblocking_sends(self):

@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# Workers and scripts the tests start import the project as modules (python -m …) from the root.
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))
 if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the accelerator to DeepSpeed
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -67,23 +69,23 @@ def write_run_config(path: str, run_dir: str, data_dir: str, **sections) -> str:
     return path
 
 
-def run_worker(world_size: int, script: str, out: str, args: list[str]) -> dict:
+def run_worker(world_size: int, module: str, out: str, args: list[str]) -> dict:
     """`launch` a worker that writes its result as JSON to `out` (it gets `--out out`); its result."""
     import json
 
-    proc = launch(world_size, script, ["--out", out, *args])
-    assert proc.returncode == 0, f"{script} failed (its output is above)"
+    proc = launch(world_size, module, ["--out", out, *args])
+    assert proc.returncode == 0, f"{module} failed (its output is above)"
     with open(out) as f:
         return json.load(f)
 
 
-def launch(world_size: int, script: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run `script` under the real deepspeed launcher with `world_size` local ranks."""
+def launch(world_size: int, module: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run `python -m module` under the real deepspeed launcher with `world_size` local ranks."""
     from launcher.launch import deepspeed_command, launch_env
 
     env = launch_env(world_size)
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(deepspeed_command(world_size, script, args), env=env, cwd=ROOT,
+    proc = subprocess.run(deepspeed_command(world_size, module, args), env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-6000:] + proc.stderr[-6000:])

@@ -44,7 +44,7 @@ def folder(tmp_path):
 def resumed_with(change: dict, saved_text: str | None = None) -> callable:
     """A run directory trained with the good config, resumed with `change` applied."""
     def make(tmp_path):
-        from launcher.config import RunConfig, from_dict, to_dict
+        from trainer.config import RunConfig, from_dict, to_dict
 
         cfg = base_config(tmp_path)
         cfg["run_dir"] = str(tmp_path / "old")
@@ -213,7 +213,7 @@ def test_bad_config_stops_before_any_rank_with_one_line(tmp_path, capsys, no_lau
 def test_the_good_config_passes_every_check(tmp_path):
     """The base of the table is valid, so each case fails for its one change (and 5e-4 written
     without a dot, which YAML reads as a string, is the number it spells)."""
-    from launcher.config import load_config
+    from trainer.config import load_config
     from launcher.preflight import check_device, check_run_dir
 
     path = write_case(tmp_path, yaml.safe_dump(base_config(tmp_path)).replace("train:\n", "train:\n  lr: 5e-4\n"))
@@ -233,14 +233,14 @@ def test_prepare_checks_the_device_when_asked_and_refuses_a_changed_resume(tmp_p
 
 def test_norm_enumeration_matches_the_strategies():
     from model.config import Norm
-    from model.norms import RENAMED, STRATEGIES
+    from model.norms import STRATEGIES
 
-    assert set(typing.get_args(Norm)) == set(STRATEGIES) | set(RENAMED)
+    assert set(typing.get_args(Norm)) == set(STRATEGIES)
 
 
 def test_a_key_added_later_is_type_checked_without_new_code(tmp_path, capsys, no_launch, monkeypatch):
     """A field appended to TrainConfig (as later features do) is checked from its annotation."""
-    import launcher.config as config
+    import trainer.config as config
 
     extended = dataclasses.make_dataclass(
         "Extended", [("collective_timeout_s", float, dataclasses.field(default=600.0)),
@@ -260,12 +260,13 @@ def test_the_table_fails_against_a_broken_validator(tmp_path, capsys, no_launch,
     preparation, the step before the launch) and the table's assertion fails, so the table
     catches such a regression."""
     import data.prepare
-    import launcher.config as config
+    import schema.fields as fields
+    import trainer.config as config
 
     def past_the_checks(*args, **kwargs):
         raise RankLaunched("got past the checks")
 
-    monkeypatch.setattr(config, "check_fields", lambda obj, section: None)
+    monkeypatch.setattr(fields, "check_fields", lambda obj, section: None)
     monkeypatch.setattr(config.ModelConfig, "validate", lambda self: None)
     monkeypatch.setattr(data.prepare, "prepare_data", past_the_checks)
     path = write_case(tmp_path, with_key("model.d_model", 0))

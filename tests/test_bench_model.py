@@ -9,8 +9,8 @@ import subprocess
 import pytest
 import torch
 
-from launcher.bench_model import BenchError, compare, main, model_at
-from parallel.planner import named_model
+from bench.model import BenchError, compare, main, model_at
+from planner.planner import named_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

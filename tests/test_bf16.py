@@ -40,7 +40,7 @@ import torch
 
 from data.batching import BatchStream, PairDataset
 from data.prepare import load_manifest
-from launcher.config import load_config
+from trainer.config import load_config
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 from parallel.engine import adamw, inverse_sqrt
 from tests.conftest import launch, write_run_config
@@ -104,7 +104,7 @@ def bf16_run(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "bf16.yaml"), str(work / "run"), tiny_data,
                               train={"micro_batches": 3, "clip_norm": 0.05, "lr": 0.001, "save_interval": 1000})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/bf16_worker.py", ["--config", config, "--out", out, "--steps", str(STEPS),
+    proc = launch(2, "tests.dist.bf16_worker", ["--config", config, "--out", out, "--steps", str(STEPS),
                                                   "--curve-steps", str(CURVE_STEPS)])
     assert proc.returncode == 0, "bf16 worker failed (its output is above)"
     with open(out) as f:

@@ -35,7 +35,7 @@ def trained(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "pp2.yaml"), run_dir, tiny_data,
                               train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.002, "save_interval": 1000})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/checkpoint_worker.py",
+    proc = launch(2, "tests.dist.checkpoint_worker",
                   ["--config", config, "--out", out, "--steps", str(STEPS), "--save-at", str(SAVE_AT)])
     assert proc.returncode == 0, "checkpoint worker failed (its output is above)"
     with open(out) as f:
@@ -219,7 +219,7 @@ def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, mo
 
 
 def test_bleu_pins_13a_where_sacrebleu_would_switch_tokenizer():
-    from launcher.commands.eval import metrics, score
+    from translate.evaluate import metrics, score
 
     chosen, _ = metrics("none")
     hyp, ref = ["我们 今天 去 公园 玩"], ["我们今天去公园玩了"]

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from launcher.config import load_config
+from trainer.config import load_config
 from model.config import ModelConfig
 from model.norms import PostNormResidual
 from model.transformer import EncoderDecoder, layer_plan
@@ -40,7 +40,7 @@ def deep_run(tiny_data, tmp_path_factory):
                               train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.001, "warmup_steps": 2,
                                      "save_interval": 1000})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/depth_worker.py", ["--config", config, "--out", out, "--steps", str(STEPS)])
+    proc = launch(2, "tests.dist.depth_worker", ["--config", config, "--out", out, "--steps", str(STEPS)])
     assert proc.returncode == 0, "depth worker failed (its output is above)"
     with open(out) as f:
         result = json.load(f)

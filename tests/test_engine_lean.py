@@ -11,7 +11,7 @@ reproduces the uninterrupted losses.
 """
 import pytest
 
-from launcher.config import load_config
+from trainer.config import load_config
 from tests.conftest import run_worker, write_run_config
 from tests.reference import assert_parameters_equal, assert_steps_equal, load_params, reference_run
 
@@ -27,7 +27,7 @@ def zero0_run(request, tiny_data, tmp_path_factory):
                               train={"micro_batches": 4 // dp, "clip_norm": CLIP, "lr": 0.001,
                                      "save_interval": 1000})
     out = str(work / "result.json")
-    result = run_worker(pp * dp, "tests/dist/pipeline_worker.py", out,
+    result = run_worker(pp * dp, "tests.dist.pipeline_worker", out,
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--only-plain"])
     return result["plain"], load_params(f"{out}.params"), reference_run(load_config(config), STEPS)
 

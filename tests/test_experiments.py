@@ -14,7 +14,7 @@ import yaml
 
 from data.prepare import load_manifest
 from experiments import depth_1000, update_norms
-from launcher.config import load_config
+from trainer.config import load_config
 from model.transformer import layer_plan
 
 

@@ -42,7 +42,7 @@ def worker(tiny_data, tmp_path_factory):
                               train={"micro_batches": 2, "save_interval": 1000, "keep_checkpoints": 5,
                                      "lr": 0.002, "clip_norm": 1.0})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/fault_worker.py", ["--config", config, "--out", out])
+    proc = launch(2, "tests.dist.fault_worker", ["--config", config, "--out", out])
     (work / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, "fault worker failed (its output is above)"
     with open(out) as f:
@@ -348,9 +348,9 @@ def test_lock_of_a_killed_trainer_is_refused_then_taken_over(tmp_path):
     from launcher.runlock import RunDirBusy, RunLock
 
     run_dir = str(tmp_path / "run")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
-                               "from launcher.runlock import RunLock; lock = RunLock(sys.argv[2]).acquire();"
-                               "print('held', flush=True); time.sleep(600)", ROOT, run_dir],
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; "
+                               "from launcher.runlock import RunLock; lock = RunLock(sys.argv[1]).acquire();"
+                               "print('held', flush=True); time.sleep(600)", run_dir], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
@@ -389,7 +389,7 @@ def test_manifest_names_every_kind_of_damage(tmp_path):
 
 
 def test_room_is_made_only_from_what_rotation_would_delete():
-    from launcher.run_state import room_to_make
+    from trainer.checkpointer import room_to_make
 
     newest_first = ["step40", "step30", "step20", "step10"]
     assert room_to_make(newest_first, keep=3) == ["step20", "step10"]  # kept after the save: 40, 30, new
@@ -405,7 +405,7 @@ def test_write_failures_are_named_and_others_are_not(tmp_path):
 
     import torch
 
-    from launcher.run_state import write_failure
+    from trainer.checkpointer import write_failure
 
     old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -23,7 +23,6 @@ PAGES = 4 * 40 * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE")  # what a step touche
 STEPS = r"""
 import json, resource, sys
 import torch
-sys.path.insert(0, {root!r})
 if sys.argv[1] == "setup":
     from parallel.engine import setup_distributed
     setup_distributed()

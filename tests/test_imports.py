@@ -1,11 +1,13 @@
 """The project's imports point one way, and no two project modules import each other.
 
 Floors, bottom up (a folder may import its own floor and the floors below it):
-    model/                  torch, numpy and the standard library only
-    data/, parallel/        model/ (not each other)
-    export/                 model/, data/, parallel/
-    launcher/               everything above
-    experiments/            anything
+    schema/                              the standard library only (what a config field accepts)
+    model/                               schema/, torch, numpy and the standard library only
+    data/, parallel/                     model/ (not each other)
+    trainer/, translate/, export/,       model/, data/, parallel/ (not each other)
+    planner/
+    launcher/                            everything above; no command module imports another
+    bench/, experiments/                 anything
 Every import is read with `ast` from the source, at module level and inside functions alike (a
 function-local import is still an arrow), so nothing is imported to check it.
 """
@@ -18,16 +20,24 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("model", "data", "parallel", "export", "launcher", "experiments")
+PACKAGES = ("schema", "model", "data", "parallel", "trainer", "translate", "export", "planner", "launcher",
+            "bench", "experiments")
+_BASE = {"schema", "model", "data", "parallel"}
 MAY_IMPORT = {
-    "model": {"model"},
-    "data": {"model", "data"},
-    "parallel": {"model", "parallel"},
-    "export": {"model", "data", "parallel", "export"},
-    "launcher": {"model", "data", "parallel", "export", "launcher"},
+    "schema": {"schema"},
+    "model": {"schema", "model"},
+    "data": {"schema", "model", "data"},
+    "parallel": {"schema", "model", "parallel"},
+    "trainer": _BASE | {"trainer"},
+    "translate": _BASE | {"translate"},
+    "export": _BASE | {"export"},
+    "planner": _BASE | {"planner"},
+    "launcher": set(PACKAGES) - {"bench", "experiments"},
+    "bench": set(PACKAGES),
     "experiments": set(PACKAGES),
 }
-MODEL_THIRD_PARTY = {"torch", "numpy"}
+THIRD_PARTY = {"schema": set(), "model": {"torch", "numpy"}}  # what these floors may take besides the stdlib
+COMMANDS = "launcher.commands."
 
 
 def project_modules(root: str = ROOT) -> dict[str, str]:
@@ -89,10 +99,14 @@ def graph(root: str = ROOT) -> tuple[dict[str, set[str]], list[str]]:
             if top in PACKAGES:
                 if top not in MAY_IMPORT[floor]:
                     wrong.append(f"{where}: {floor}/ imports {name} ({top}/ is not below {floor}/)")
+                if module.startswith(COMMANDS) and name.startswith(COMMANDS) and name != module:
+                    wrong.append(f"{where}: the command {module} imports the command {name} (shared code "
+                                 "belongs below the commands)")
                 if name in modules and name != module:
                     edges[module].add(name)
-            elif floor == "model" and top and top not in stdlib and top not in MODEL_THIRD_PARTY:
-                wrong.append(f"{where}: model/ imports {name} (model/ takes torch, numpy and the standard library only)")
+            elif floor in THIRD_PARTY and top and top not in stdlib and top not in THIRD_PARTY[floor]:
+                allowed = ", ".join(sorted(THIRD_PARTY[floor]) + ["the standard library"])
+                wrong.append(f"{where}: {floor}/ imports {name} ({floor}/ takes {allowed} only)")
     return edges, sorted(set(wrong))
 
 
@@ -141,12 +155,16 @@ def test_the_walker_sees_function_local_imports_and_cycles(tmp_path):
     """The checks above on a small tree with one wrong arrow inside a function and one cycle."""
     for package, files in {"model": {"__init__.py": "", "a.py": "def f():\n    from parallel import b\n"},
                            "parallel": {"__init__.py": "", "b.py": "import model.a\nfrom parallel import c\n",
-                                        "c.py": "def g():\n    import parallel.b\n"}}.items():
-        (tmp_path / package).mkdir()
+                                        "c.py": "def g():\n    import parallel.b\n"},
+                           "launcher/commands": {"__init__.py": "", "x.py": "from launcher.commands.y import f\n",
+                                                 "y.py": "def f():\n    pass\n"}}.items():
+        (tmp_path / package).mkdir(parents=True)
         for name, text in files.items():
             (tmp_path / package / name).write_text(text)
     edges, wrong = graph(str(tmp_path))
-    assert wrong == ["model/a.py:2: model/ imports parallel.b (parallel/ is not below model/)"]
+    assert wrong == ["launcher/commands/x.py:1: the command launcher.commands.x imports the command "
+                     "launcher.commands.y (shared code belongs below the commands)",
+                     "model/a.py:2: model/ imports parallel.b (parallel/ is not below model/)"]
     assert cycles(edges) == [["model.a", "parallel.b", "parallel.c"]]
 
 

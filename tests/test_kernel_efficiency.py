@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from parallel.devices import KERNEL_EFFICIENCY, kernel_efficiency
+from planner.devices import KERNEL_EFFICIENCY, kernel_efficiency
 from tests.conftest import ROOT
 
 

@@ -44,8 +44,9 @@ def test_xavier_115_variant_differs_only_in_encoder_beta():
     assert (ts_enc.alpha, ts_dec.alpha, ts_dec.beta) == (paper_enc.alpha, paper_dec.alpha, paper_dec.beta)
 
 
-def test_the_old_torchscale_name_is_refused_with_the_new_one():
-    with pytest.raises(ValueError, match="renamed to 'deepnorm-xavier-1.15'.*not the authors' initialisation"):
+def test_a_name_that_is_no_strategy_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"model.norm='deepnorm-torchscale' is not a strategy; choose one of "
+                                         r"\['branchnorm', 'deepnorm', 'deepnorm-xavier-1.15', 'postln'"):
         resolve("deepnorm-torchscale", 6, 6)
 
 

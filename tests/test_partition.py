@@ -55,7 +55,7 @@ def test_bottleneck_is_optimal_and_never_worse_than_deepspeeds_on_random_costs()
 
 def test_a_thousand_layers_into_64_stages_in_well_under_half_a_second():
     from model.flops import layer_costs
-    from parallel.planner import named_model
+    from planner.planner import named_model
 
     costs = layer_costs(named_model("deepnet-500-500"))
     assert len(costs) == 1002

@@ -7,9 +7,8 @@ whole global batch.
 import json
 
 import pytest
-import torch
 
-from launcher.config import load_config
+from trainer.config import load_config
 from tests.conftest import launch, write_run_config
 from tests.reference import assert_parameters_equal, load_params, reference_run
 
@@ -21,7 +20,7 @@ def test_pp2_dp2_equals_single_process(tiny_data, tmp_path):
                               parallel={"pipeline_stages": 2, "data_parallel": 2},
                               train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.001})
     out = str(tmp_path / "result.json")
-    proc = launch(4, "tests/dist/pipeline_worker.py",
+    proc = launch(4, "tests.dist.pipeline_worker",
                   ["--config", config, "--out", out, "--steps", str(STEPS), "--save-at", "1", "--only-plain"])
     assert proc.returncode == 0, "pipeline worker failed (its output is above)"
     with open(out) as f:

@@ -16,8 +16,8 @@ import copy
 import pytest
 import torch
 
-from launcher.config import load_config
-from parallel.planner import stage_bounds
+from trainer.config import load_config
+from planner.planner import stage_bounds
 from tests.conftest import run_worker, write_run_config
 from tests.reference import assert_parameters_equal, assert_steps_equal, load_params, reference_run
 
@@ -33,7 +33,7 @@ def pp2_run(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "pp2.yaml"), str(work / "run"), tiny_data,
                               train={"micro_batches": 3, "clip_norm": 0.05, "lr": 0.001, "save_interval": 1000})
     out = str(work / "result.json")
-    result = run_worker(2, "tests/dist/pipeline_worker.py", out,
+    result = run_worker(2, "tests.dist.pipeline_worker", out,
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
                          "--scenarios", "plain,activation_checkpointing,zero1_deepspeed,zero1_fallback"])
     result["deepspeed_params"] = load_params(f"{out}.deepspeed")
@@ -47,7 +47,7 @@ def pp3_run(tiny_data, tmp_path_factory):
                               parallel={"pipeline_stages": 3},
                               train={"micro_batches": 3, "clip_norm": 0.05, "lr": 0.001, "save_interval": 1000})
     out = str(work / "result.json")
-    result = run_worker(3, "tests/dist/pipeline_worker.py", out,
+    result = run_worker(3, "tests.dist.pipeline_worker", out,
                         ["--config", config, "--steps", str(PP3_STEPS), "--save-at", "1",
                          "--scenarios", "dropout,partitions"])
     cfg = load_config(config)

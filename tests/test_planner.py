@@ -19,7 +19,7 @@ from launcher.cli import main as cli_main
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import smoothed_loss_sum
-from parallel.planner import layer_activation_bytes, named_model, stage_bounds
+from planner.planner import layer_activation_bytes, named_model, stage_bounds
 from tests.conftest import write_run_config
 
 
@@ -95,7 +95,7 @@ LAYOUTS = [{"pp": 1, "dp": 1, "micro_batches": 1, "ac": 0},
 
 
 def test_planner_predicts_measured_memory_and_ranks_step_times(tiny_data, tmp_path, monkeypatch):
-    from launcher.bench_layouts import main as bench_main
+    from bench.layouts import main as bench_main
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every rank one core: layouts compare like for like
     model = {"encoder_layers": 4, "decoder_layers": 4, "d_model": 128, "heads": 4, "ffn_dim": 512, "dropout": 0.1}
@@ -132,8 +132,8 @@ def test_plan_command_on_the_papers_3_2b_model(capsys, tmp_path):
     best_days = float(text.split("\n| pp")[1].split("|")[-2])
     assert 9 < best_days < 36  # the paper: "up to 18 days" for 5.2 ZFLOPs on 128 V100-32GB
 
-    from parallel.devices import device
-    from parallel.planner import Candidate, stage_memory
+    from planner.devices import device
+    from planner.planner import Candidate, stage_memory
 
     model, dev = named_model("deepnet-100-100-1024"), device("v100-32gb")
     small = Candidate(pp=1, tp=1, dp=128, micro_batches=32, sequences=32, src_len=32, tgt_len=32, precision="fp16")
@@ -167,8 +167,8 @@ def test_without_zero_adam_state_is_unsharded_and_one_replica_makes_no_step_copi
     (LeanZeroOptimizer) holds the same, its flat gradient buffer also during forward."""
     import dataclasses
 
-    from parallel.devices import cpu_device
-    from parallel.planner import Candidate, stage_memory
+    from planner.devices import cpu_device
+    from planner.planner import Candidate, stage_memory
 
     model, dev = named_model("base-6-6"), cpu_device(1e11, 24 * 2**30)
     zero1 = Candidate(pp=1, tp=1, dp=4, micro_batches=2, sequences=32, src_len=16, tgt_len=16, precision="fp32")

@@ -4,14 +4,14 @@ DeepSpeed's load_checkpoint restores the optimizer's param_groups (lr, betas, ep
 and the LR scheduler's state (its base_lrs) from the checkpoint; a lower train.lr given for the
 resume after a divergence stop (as the stop message advises) used to be ignored without a word.
 Here the real AdamW and LambdaLR go through the same save and load_state_dict calls, then
-CheckpointLifecycle.apply_optimizer_config, as Trainer.restore_client calls it.
+Checkpointer.apply_optimizer_config, as Checkpointer.restored calls it.
 """
 import types
 
 import pytest
 import torch
 
-from launcher.run_state import CheckpointLifecycle
+from trainer.checkpointer import Checkpointer
 from parallel.config import TrainConfig
 from parallel.engine import adamw, inverse_sqrt
 
@@ -43,7 +43,7 @@ def test_resumed_run_uses_the_configs_lr_and_adam_settings(single_rank, capsys):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * (4 / 11) ** 0.5)  # the old run's, until now
     owner = types.SimpleNamespace(cfg=types.SimpleNamespace(train=after),
                                   engine=types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer))
-    CheckpointLifecycle.apply_optimizer_config(owner)
+    Checkpointer.apply_optimizer_config(owner)
     group = optimizer.param_groups[0]
     assert group["lr"] == pytest.approx(1e-4 * (4 / 11) ** 0.5) and scheduler.get_last_lr() == [group["lr"]]
     assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.01, (0.9, 0.99), 1e-6)
@@ -62,5 +62,5 @@ def test_an_unchanged_config_changes_nothing_and_says_nothing(single_rank, capsy
     lr = optimizer.param_groups[0]["lr"]
     owner = types.SimpleNamespace(cfg=types.SimpleNamespace(train=train),
                                   engine=types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer))
-    CheckpointLifecycle.apply_optimizer_config(owner)
+    Checkpointer.apply_optimizer_config(owner)
     assert optimizer.param_groups[0]["lr"] == lr and capsys.readouterr().out == ""

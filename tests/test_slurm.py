@@ -25,7 +25,7 @@ import time
 import pytest
 
 from data.config import DataConfig
-from launcher.config import load_config
+from trainer.config import load_config
 from tests.conftest import TINY_DATA
 from tests.reference import reference_run
 
@@ -124,15 +124,16 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from launcher import train
     from parallel.engine import exit_rank
+    from trainer import signals
+    from trainer.trainer import preemption_agreed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    train.install_preemption_handler()
-    before = train.preemption_agreed()
+    signals.install_rank_handlers(25.0)
+    before = preemption_agreed()
     if rank == 1:  # the signal reaches one process only
         os.kill(os.getpid(), signal.SIGUSR1)
-    after = train.preemption_agreed()
+    after = preemption_agreed()
     with open(f"{out}.{rank}", "w") as f:
         json.dump([before, after], f)
     exit_rank(0)  # neither rank tears gloo down while the other still uses it (it aborts)

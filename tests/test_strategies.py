@@ -232,7 +232,7 @@ def pp2_strategies(tiny_data, tmp_path_factory):
     import copy
     import json
 
-    from launcher.config import load_config
+    from trainer.config import load_config
     from tests.conftest import launch, write_run_config
     from tests.reference import reference_run
 
@@ -240,7 +240,7 @@ def pp2_strategies(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "pp2.yaml"), str(work / "run"), tiny_data,
                               train={"micro_batches": 2, "clip_norm": 0.5, "lr": 0.002, "save_interval": 1000})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/strategies_worker.py",
+    proc = launch(2, "tests.dist.strategies_worker",
                   ["--config", config, "--out", out, "--strategies", ",".join(ALL),
                    "--instrumented", ",".join(INSTRUMENTED), "--steps", str(PP_STEPS), "--save-at", str(PP_SAVE_AT)])
     assert proc.returncode == 0, "strategies worker failed (its output is above)"

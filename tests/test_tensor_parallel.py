@@ -10,9 +10,8 @@ single-process reference over 3 steps.
 import json
 
 import pytest
-import torch
 
-from launcher.config import load_config
+from trainer.config import load_config
 from tests.conftest import launch, write_run_config
 from tests.reference import assert_parameters_equal, load_params, reference_run
 
@@ -26,7 +25,7 @@ def tp2(tiny_data, tmp_path_factory):
                               parallel={"pipeline_stages": 1, "tensor_parallel": 2},
                               train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.001})
     out = str(work / "result.json")
-    proc = launch(2, "tests/dist/tensor_parallel_worker.py", ["--config", config, "--out", out, "--steps", "4"])
+    proc = launch(2, "tests.dist.tensor_parallel_worker", ["--config", config, "--out", out, "--steps", "4"])
     assert proc.returncode == 0, "tensor-parallel worker failed (its output is above)"
     with open(out) as f:
         return json.load(f), config
@@ -87,7 +86,7 @@ def test_pp2_tp2_equals_single_process(tiny_data, tmp_path):
                               parallel={"pipeline_stages": 2, "tensor_parallel": 2},
                               train={"micro_batches": 2, "clip_norm": 0.05, "lr": 0.001})
     out = str(tmp_path / "result.json")
-    proc = launch(4, "tests/dist/pipeline_worker.py",
+    proc = launch(4, "tests.dist.pipeline_worker",
                   ["--config", config, "--out", out, "--steps", "3", "--save-at", "1", "--only-plain"])
     assert proc.returncode == 0, "pipeline worker failed (its output is above)"
     with open(out) as f:

@@ -244,8 +244,8 @@ def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
 
 
 def test_planner_models_zb_h1_bubble_and_memory():
-    from parallel.devices import device
-    from parallel.planner import Candidate, stage_kinds, stage_memory, step_time, weight_grad_bytes
+    from planner.devices import device
+    from planner.planner import Candidate, stage_kinds, stage_memory, step_time, weight_grad_bytes
 
     cfg = ModelConfig(encoder_layers=12, decoder_layers=12, d_model=512, heads=8, ffn_dim=2048, vocab_size=32000)
     dev = device("a100-80gb")
@@ -280,7 +280,7 @@ def test_planner_models_zb_h1_bubble_and_memory():
 def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, message):
     import yaml
 
-    from launcher.config import ConfigError, load_config
+    from trainer.config import ConfigError, load_config
 
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, **parallel}, "train": train}))
@@ -344,7 +344,7 @@ def test_measured_bubble_counts_the_wait_inside_the_closing_collectives(schedule
     """`bench train`'s measured bubble, on instruction timings laid out as DeepSpeed's engine
     takes them (a stage that finishes its pipeline work early waits inside the tied-gradient
     all-reduce or the optimizer's norm), equals the schedule's idle fraction."""
-    from launcher.bench_pipeline import step_bubbles
+    from bench.pipeline import step_bubbles
     from parallel.zb_timeline import ORDERS
 
     cost = {"F": 1.0, "B": 1.1, "W": 0.9, "BW": 2.0}

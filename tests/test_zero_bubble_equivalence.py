@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from launcher.config import load_config
+from trainer.config import load_config
 from tests.conftest import launch, write_run_config
 from tests.reference import load_params, reference_run
 
@@ -31,7 +31,7 @@ def zb_run(request, tiny_data, tmp_path_factory):
                               parallel={"pipeline_stages": pp, "tensor_parallel": tp},
                               train={"micro_batches": 4, "clip_norm": 0.05, "lr": LR, "save_interval": 1000})
     out = str(work / "result.json")
-    proc = launch(pp * tp, "tests/dist/zero_bubble_worker.py",
+    proc = launch(pp * tp, "tests.dist.zero_bubble_worker",
                   ["--config", config, "--out", out, "--steps", str(STEPS), "--scenarios", SCENARIOS[pp, tp]])
     assert proc.returncode == 0, "zero-bubble worker failed (its output is above)"
     with open(out) as f:

@@ -6,8 +6,8 @@ import importlib
 
 HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model with torch's operators and with the CPU kernels, hashed dropout and short-sequence attention, steps interleaved)"
 
-TARGETS = {"data": "launcher.bench_data", "train": "launcher.bench_layouts", "schedules": "launcher.bench_zb", "startup": "launcher.bench_startup",
-           "model": "launcher.bench_model"}
+TARGETS = {"data": "bench.data", "train": "bench.layouts", "schedules": "bench.schedules", "startup": "bench.startup",
+           "model": "bench.model"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,5 +20,5 @@ def run(args: argparse.Namespace) -> int:
 
     module = TARGETS[args.target]
     if args.target == "train" and accelerator.gpu_available():
-        module = "launcher.bench_gpu"  # the paper's shapes on one GPU, in bf16
+        module = "bench.gpu"  # the paper's shapes on one GPU, in bf16
     return importlib.import_module(module).main(args.args)

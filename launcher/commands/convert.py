@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from launcher.config import check_run_config
+    from trainer.config import check_run_config
     from parallel.checkpoints import CheckpointError, consolidate, locate, reshard
 
     start = time.perf_counter()

@@ -5,16 +5,16 @@ import argparse
 import math
 import os
 
-from launcher.config import ConfigError
+from trainer.config import ConfigError
 from model.config import ModelConfig
-from parallel.devices import Device
+from planner.devices import Device
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from parallel.devices import DEVICES
-    from parallel.planner import named_shapes
+    from planner.devices import DEVICES
+    from planner.planner import named_shapes
 
     parser.add_argument("model", help=f"a YAML run config, or the name of one in configs/: {', '.join(named_shapes())}")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
     parser.add_argument("--mfu", type=float,
                         help="fraction of peak the kernels reach, before bubble and communication (default: "
-                             "measured per GPU type and model width, parallel/devices.py KERNEL_EFFICIENCY)")
+                             "measured per GPU type and model width, planner/devices.py KERNEL_EFFICIENCY)")
     parser.add_argument("--global-batch-tokens", type=int, default=2**20,
                         help="target tokens per optimizer step (default 1,048,576)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_model(spec: str) -> ModelConfig:
     """A named shape, or the model section of a YAML run config (vocabulary from its data section)."""
-    from parallel.planner import named_model
+    from planner.planner import named_model
 
     if os.path.exists(spec):
-        from launcher.config import load_config
+        from trainer.config import load_config
 
         cfg = load_config(spec)
         model = cfg.model
@@ -61,7 +61,7 @@ def load_model(spec: str) -> ModelConfig:
 
 
 def params_of(model: ModelConfig) -> float:
-    from parallel.planner import layer_params
+    from planner.planner import layer_params
 
     return (model.encoder_layers * layer_params(model, "encoder") + model.decoder_layers * layer_params(model, "decoder")
             + layer_params(model, "embed"))
@@ -124,8 +124,8 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallel.devices import DEFAULT_PRECISION, device
-    from parallel.planner import search
+    from planner.devices import DEFAULT_PRECISION, device
+    from planner.planner import search
 
     if args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value}: must be a positive number")
     model = load_model(args.model)
-    from parallel.devices import kernel_efficiency
+    from planner.devices import kernel_efficiency
 
     args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)
     overrides = {}

@@ -5,7 +5,7 @@ import argparse
 import os
 
 from launcher.launch import DEFAULT_CONFIG
-from launcher.config import load_config
+from trainer.config import load_config
 from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
 
 HELP = "validate, tokenise and binarise the corpus of a config (resumable); no training"

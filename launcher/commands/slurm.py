@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from launcher.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config
 from launcher.slurm import JobSpec, resolved_config_text, write_job
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"

@@ -5,9 +5,10 @@ import argparse
 import os
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config
 from launcher.preflight import check_device, check_resume, check_run_dir
-from launcher.procs import PREEMPTED_EXIT_CODE, die_with_parent_shell, supervise
+from launcher.procs import die_with_parent_shell, supervise
+from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
 from parallel import accelerator
 
@@ -71,7 +72,7 @@ def _train(args: argparse.Namespace, cfg) -> int:
         env["OMP_NUM_THREADS"] = str(threads)
     print(f"config {args.config} → run directory {cfg.run_dir}", flush=True)
     prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
-    cmd = deepspeed_command(world, "launcher/train.py",
+    cmd = deepspeed_command(world, "launcher.worker",
                             ["--config", os.path.abspath(args.config), "--run-dir", os.path.abspath(cfg.run_dir)])
     where = (f"{world} of {gpus} GPUs" if gpus else
              f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
@@ -88,7 +89,7 @@ def _train(args: argparse.Namespace, cfg) -> int:
     elif rc in (129, 130, 143):
         print("training was stopped; run the same command to resume from the last checkpoint", flush=True)
     if rc == 0 and args.eval_sentences > 0:
-        from launcher.commands.eval import evaluate_after_training
+        from translate.evaluate import evaluate_after_training
 
         evaluate_after_training(cfg.run_dir, args.eval_sentences)
     return rc

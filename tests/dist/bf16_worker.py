@@ -10,16 +10,14 @@ import argparse
 import copy
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from parallel.engine import exit_rank, setup_distributed  # noqa: E402
-from tests.dist.common import fresh_run_dir, record_steps  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from parallel.engine import exit_rank, setup_distributed
+from tests.dist.common import fresh_run_dir, record_steps
 
 
 def run(cfg, precision: str, steps: int, name: str) -> dict:

@@ -15,18 +15,16 @@ import argparse
 import copy
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from data.batching import eval_batches  # noqa: E402
-from launcher.cli import main as cli  # noqa: E402
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from tests.dist.common import record_steps  # noqa: E402
-from parallel.engine import exit_rank  # noqa: E402
+from data.batching import eval_batches
+from launcher.cli import main as cli
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from tests.dist.common import record_steps
+from parallel.engine import exit_rank
 
 
 def losses(trainer: Trainer, steps: int, save_at: int | None = None) -> list[float]:

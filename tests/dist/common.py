@@ -7,13 +7,11 @@ import copy
 import json
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from parallel.pipeline import plain_state_dict  # noqa: E402
+from parallel.pipeline import plain_state_dict
 
 
 def record_steps(trainer, until: int, save_at: int | None = None) -> dict:
@@ -81,7 +79,7 @@ def dump_params(trainer, prefix: str) -> None:
 
 def train_and_resume(cfg, steps: int, save_at: int, dump: str | None = None) -> dict:
     """Uninterrupted run with a checkpoint at `save_at`, then a fresh run resumed from it."""
-    from launcher.train import Trainer
+    from trainer.trainer import Trainer
 
     first = Trainer(cfg, max_steps=steps)
     result = {"uninterrupted": record_steps(first, steps, save_at),

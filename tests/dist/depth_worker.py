@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from tests.dist.common import dump_params, record_steps  # noqa: E402
-from model.norms import PostNormResidual  # noqa: E402
-from model.transformer import layer_plan  # noqa: E402
-from parallel.engine import exit_rank  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from tests.dist.common import dump_params, record_steps
+from model.norms import PostNormResidual
+from model.transformer import layer_plan
+from parallel.engine import exit_rank
 
 RESIDUALS = ("self_attn_res", "cross_attn_res", "ffn_res")
 

@@ -16,17 +16,16 @@ import csv
 import json
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher import train as train_mod  # noqa: E402
-from launcher.config import load_config  # noqa: E402
-from launcher.guard import DivergenceStop  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from parallel.engine import exit_rank  # noqa: E402
+from launcher import worker
+from trainer import trainer as train_mod
+from trainer.config import load_config
+from trainer.guard import DivergenceStop
+from trainer.trainer import Trainer
+from parallel.engine import exit_rank
 
 def barrier() -> None:
     torch.distributed.barrier()
@@ -171,7 +170,7 @@ def divergence_run(cfg, policy: str, at: int, factor: float, max_steps: int) -> 
         out["stopped"] = None
     except DivergenceStop as e:
         out["stopped"] = str(e)
-        train_mod.record_divergence_stop(t, e)  # as launcher/train.py's main does before exiting 3
+        worker.record_divergence_stop(t, e)  # as launcher/worker.py's main does before exiting 3
         if is0():
             with open(os.path.join(cfg.run_dir, "summary.json")) as f:
                 out["summary"] = json.load(f)

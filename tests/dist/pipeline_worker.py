@@ -25,19 +25,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from parallel.engine import exit_rank, setup_distributed  # noqa: E402
-from parallel.pipeline import TranslationPipe  # noqa: E402
-from tests.dist.common import dump_params, record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from model.config import ModelConfig
+from parallel.engine import exit_rank, setup_distributed
+from parallel.pipeline import TranslationPipe
+from tests.dist.common import dump_params, record_steps, train_and_resume, variant, with_dropout, write_result
 
 # Shapes whose partitions differ in kind: decoder-heavy, output-heavy, Pre-LN's final norms, wide.
 PARTITION_SHAPES = {

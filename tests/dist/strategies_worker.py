@@ -14,17 +14,15 @@ import argparse
 import copy
 import os
 import shutil
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from model.norms import BranchNormResidual  # noqa: E402
-from parallel.engine import exit_rank, setup_distributed  # noqa: E402
-from tests.dist.common import record_steps, write_result  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from model.norms import BranchNormResidual
+from parallel.engine import exit_rank, setup_distributed
+from tests.dist.common import record_steps, write_result
 
 BRANCHNORM_T = 3
 

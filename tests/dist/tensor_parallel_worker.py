@@ -16,21 +16,18 @@ Checks, written by rank 0 to `--out` (JSON):
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from model.transformer import EncoderDecoder, smoothed_loss_sum  # noqa: E402
-from parallel.pipeline import plain_state_dict  # noqa: E402
-from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum  # noqa: E402
-from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result  # noqa: E402
-from parallel.engine import exit_rank  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from model.transformer import EncoderDecoder, smoothed_loss_sum
+from parallel.pipeline import plain_state_dict
+from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum
+from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result
+from parallel.engine import exit_rank
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

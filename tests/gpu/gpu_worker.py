@@ -15,18 +15,16 @@ import argparse
 import copy
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
+import torch
 
-from launcher.config import load_config  # noqa: E402
-from launcher.train import Trainer  # noqa: E402
-from parallel import accelerator  # noqa: E402
-from parallel.engine import exit_rank, setup_distributed  # noqa: E402
-from parallel.pipeline import plain_state_dict  # noqa: E402
-from tests.dist.common import fresh_run_dir, record_steps  # noqa: E402
+from trainer.config import load_config
+from trainer.trainer import Trainer
+from parallel import accelerator
+from parallel.engine import exit_rank, setup_distributed
+from parallel.pipeline import plain_state_dict
+from tests.dist.common import fresh_run_dir, record_steps
 
 FP16_START_SCALE = 2.0**24
 FP16_STEPS = 20

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from launcher.config import load_config
+from trainer.config import load_config
 from parallel import accelerator
 from tests.conftest import ROOT, launch, write_run_config
 from tests.reference import reference_run
@@ -41,7 +41,7 @@ def gpu_run(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "gpu.yaml"), str(work / "run"), tiny_data,
                               parallel={"pipeline_stages": 1}, train=TRAIN)
     out = str(work / "result.json")
-    proc = launch(1, "tests/gpu/gpu_worker.py",
+    proc = launch(1, "tests.gpu.gpu_worker",
                   ["--config", config, "--out", out, "--steps", str(STEPS), "--save-at", str(SAVE_AT)])
     assert proc.returncode == 0, "GPU worker failed (its output is above)"
     with open(out) as f:
@@ -109,7 +109,7 @@ def test_checkpoint_resume_reproduces_losses(gpu_run, precision):
 
 
 def test_consolidate_and_beam_search_on_the_gpu(gpu_run, tmp_path):
-    from launcher.commands.translate import Translator
+    from translate.translator import Translator
     from model.decoding import DecodeOptions, generate
     from parallel.checkpoints import consolidate, load_model
 
@@ -134,10 +134,10 @@ def test_consolidate_and_beam_search_on_the_gpu(gpu_run, tmp_path):
 
 
 def test_peak_memory_within_the_planners_prediction(tmp_path):
-    """A 6L-6L d=512 bf16 step (4,096-token micro-batches) against parallel/planner.py: the
+    """A 6L-6L d=512 bf16 step (4,096-token micro-batches) against planner/planner.py: the
     planner counts tensors, not the allocator's rounding and cuBLAS workspaces: ±10% (measured on an
     H100: 4.06 GiB against 4.07 predicted; docs/bench/gpu-h100/report.md)."""
-    proc = subprocess.run([sys.executable, "launcher/bench_gpu.py", "--worker", "6L-6L-d512", "--steps", "2",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", "6L-6L-d512", "--steps", "2",
                            "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -153,7 +153,7 @@ def test_pp2_over_nccl_matches_reference(tiny_data, tmp_path):
         pytest.skip(f"pp=2 with NCCL needs 2 GPUs; this machine has {accelerator.gpu_count()}")
     config = write_run_config(str(tmp_path / "pp2.yaml"), str(tmp_path / "run"), tiny_data, train=TRAIN)
     out = str(tmp_path / "result.json")
-    proc = launch(2, "tests/dist/pipeline_worker.py",
+    proc = launch(2, "tests.dist.pipeline_worker",
                   ["--config", config, "--out", out, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--only-plain"])
     assert proc.returncode == 0, "pp=2 worker failed (its output is above)"
     with open(out) as f:

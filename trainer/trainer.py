@@ -1,8 +1,7 @@
-"""Training worker: one process per pipeline stage × replica, started by the deepspeed launcher.
+"""The training loop of one rank: `Trainer` builds this rank's pipeline stage and engine, feeds
+it the deterministic batch stream, validates, saves and resumes through its Checkpointer, and
+applies the divergence guard's policy. launcher/worker.py is the process around it.
 
-    deepspeed --num_gpus 2 launcher/train.py --config configs/default.yaml
-
-The data must already be prepared in <run_dir>/data (`launcher/cli.py train` does that first).
 Every rank builds the same deterministic batch stream; replica r takes micro-batches
 [r·m, (r+1)·m) of each global step. An existing checkpoint in <run_dir>/checkpoints is resumed,
 including the stream position and every rank's RNG state (parallel/rng.py), so a resumed run
@@ -10,53 +9,39 @@ computes exactly the losses of an uninterrupted one.
 """
 from __future__ import annotations
 
-import argparse
-import atexit
 import contextlib
 import datetime
 import json
 import os
-import re
 import signal
-import sys
 import time
-import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from launcher import metrics, procs  # noqa: E402
-from launcher.config import ConfigError, RunConfig, load_config  # noqa: E402
-from launcher.guard import DivergenceGuard, DivergenceStop  # noqa: E402
-from launcher.procs import DIVERGED_EXIT_CODE  # noqa: E402
-from launcher.run_state import STOPPED_MARKER, CheckpointLifecycle, NoRoomStop, log0, record_stop  # noqa: E402
-from model.norms import set_training_step, step_blocks  # noqa: E402
-from parallel import accelerator, manifest, rng  # noqa: E402
-
+from model.norms import set_training_step, step_blocks
+from parallel import manifest, rng
+from trainer import metrics, signals
+from trainer.checkpointer import Checkpointer, log0
+from trainer.config import RunConfig
+from trainer.guard import DivergenceGuard, DivergenceStop
+from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
 # forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
-# rank. The handler (launcher/procs.py) only sets a flag; the ranks agree on it by a MAX all-reduce
+# rank. The handler (trainer/signals.py) only sets a flag; the ranks agree on it by a MAX all-reduce
 # at every step boundary, so all of them stop after the same step (a rank that left alone would
 # leave the others blocked in the pipeline's send/recv), save one checkpoint together, and exit with
 # PREEMPTED_EXIT_CODE after rank 0 wrote <run_dir>/preempted.json, which tells the job script to
 # requeue the job. After SIGTERM a rank leaves without a checkpoint once train.stop_grace_seconds
 # have passed; SIGINT and SIGHUP stop it at once.
 PREEMPT_SIGNAL = signal.SIGUSR1
-PREEMPTED_EXIT_CODE = procs.PREEMPTED_EXIT_CODE
-PREEMPTED_MARKER = "preempted.json"
-
-
-def install_preemption_handler(grace_seconds: float = 25.0) -> None:
-    procs.install_rank_handlers(grace_seconds)
 
 
 def preemption_agreed() -> bool:
     """True on every rank once any rank has received the preemption signal (a collective call)."""
     from deepspeed.accelerator import get_accelerator
 
-    flag = torch.tensor([int(procs.stop.checkpoint)], dtype=torch.int32,
+    flag = torch.tensor([int(signals.stop.checkpoint)], dtype=torch.int32,
                         device=get_accelerator().current_device_name())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
@@ -78,14 +63,14 @@ def to_pipe(batches: list[dict], scale_num: int, total_tokens: int) -> list[tupl
     return [((b["src"], b["tgt_in"]), (b["tgt_out"], scale)) for b in batches]
 
 
-class Trainer(CheckpointLifecycle):
+class Trainer:
     def __init__(self, cfg: RunConfig, max_steps: int | None = None):
         from data.batching import BatchStream, PairDataset
         from data.prepare import load_manifest
         from parallel.engine import build_engine, setup_distributed
         from parallel.layout import Layout
 
-        install_preemption_handler(cfg.train.stop_grace_seconds)
+        signals.install_rank_handlers(cfg.train.stop_grace_seconds)
         set_collective_timeout(cfg.train.collective_timeout_seconds)
         setup_distributed(cfg.train.collective_timeout_seconds)
         try:
@@ -95,21 +80,15 @@ class Trainer(CheckpointLifecycle):
         self.cfg = cfg
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
-        self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
         self.started: float | None = None  # when run() began its steps (summary's wall time)
         data_manifest = load_manifest(self.data_dir)
         cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
-        # Checkpoints with a manifest are this trainer's (verified on resume); a run directory made
-        # by `./run.sh convert reshard` holds a universal checkpoint of another layout
-        # (parallel/checkpoints.py); once this run saves its own, those take over. A `latest`
-        # without any manifest is a checkpoint of an older version of this trainer.
-        committed = manifest.committed_tags(self.ckpt_dir)
-        legacy, _ = (None, "") if committed else manifest.read_latest(self.ckpt_dir)
-        universal = (not committed and legacy is None
-                     and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
         layout = self.layout
+        universal = Checkpointer(cfg, layout, None, None).universal()
         self.engine, self.module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir,
                                                 load_universal=universal)
+        self.checkpoints = Checkpointer(cfg, layout, self.engine, self.module)
+        self.ckpt_dir = self.checkpoints.ckpt_dir
         self.guard = DivergenceGuard(self.engine, cfg.train, layout)
         metrics.install(self.engine)
         rng.seed_dropout(cfg.train.seed, layout.stage, layout.replica)
@@ -126,14 +105,7 @@ class Trainer(CheckpointLifecycle):
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
-        self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
-        if committed or manifest.read_latest(self.ckpt_dir)[1]:
-            self.resume()
-        elif legacy or universal:
-            self.resume_unverified(legacy)
-        else:
-            for tag in manifest.uncommitted_tags(self.ckpt_dir):
-                log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
+        self.restore(self.checkpoints.resume())
         if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
             for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # an earlier launch's preemption or stop, now resumed
@@ -145,10 +117,25 @@ class Trainer(CheckpointLifecycle):
         set_training_step(self.step_blocks, self.step)
         self.stability = None
         if cfg.train.instrument_interval > 0:
-            from launcher.stability import StabilityLogger
+            from trainer.stability import StabilityLogger
 
             self.stability = StabilityLogger(self)
             self.stability.start(self.step)
+
+    # ---- checkpoints (trainer/checkpointer.py) -----------------------------------------------
+    def save(self) -> str:
+        """Checkpoint this step (every rank); the folder written."""
+        return self.checkpoints.save(self.step, {"data": self.stream.state_dict(), "history": self.history,
+                                                 "guard": self.guard.state_dict()})
+
+    def restore(self, client: dict | None) -> None:
+        """Take up the state a checkpoint's `save` recorded (nothing for a new run)."""
+        if client is None:
+            return
+        self.step = client["step"]
+        self.stream.load_state_dict(client["data"])
+        self.guard.load_state_dict(client.get("guard"))
+        self.history = client["history"]
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -228,7 +215,7 @@ class Trainer(CheckpointLifecycle):
         wall = time.perf_counter() - t0
         return self.summary(wall)
 
-    # ---- divergence (launcher/guard.py) -------------------------------------------------------
+    # ---- divergence (trainer/guard.py) -------------------------------------------------------
     def on_divergence(self, event: dict) -> bool:
         """Apply train.divergence_policy to a step whose update was not applied; True after a
         rollback. Every rank gets here for the same step with the same event."""
@@ -262,7 +249,7 @@ class Trainer(CheckpointLifecycle):
         if not manifest.committed_tags(self.ckpt_dir):
             raise DivergenceStop(f"step {bad_step}: {event['reason']}; train.divergence_policy=rollback but no "
                                  "checkpoint has been saved yet to roll back to")
-        self.resume(newest_step=bad_step - 1)
+        self.restore(self.checkpoints.resume(newest_step=bad_step - 1))
         self.stream.load_state_dict(data_after)
         event["rolled_back_to"] = self.step
         self.guard.events = events
@@ -275,16 +262,16 @@ class Trainer(CheckpointLifecycle):
     def stop_preempted(self, already_saved: bool) -> None:
         """Checkpoint the current step on every rank, leave the marker, exit for a requeue."""
         path = os.path.join(self.ckpt_dir, f"step{self.step}") if already_saved else self.save()
-        name = procs.stop.signal_name or PREEMPT_SIGNAL.name
+        name = signals.stop.signal_name or PREEMPT_SIGNAL.name
         if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, PREEMPTED_MARKER), "w") as f:
                 json.dump({"step": self.step, "checkpoint": path, "signal": name,
                            "time": time.time()}, f, indent=2)
         log0(f"step {self.step} | preempted by {name}: saved checkpoint {path}; "
-             f"exiting with code {PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
+             f"exiting with code {signals.PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
         torch.distributed.barrier()
-        procs.stop.saved = True
-        raise SystemExit(PREEMPTED_EXIT_CODE)
+        signals.stop.saved = True
+        raise SystemExit(signals.PREEMPTED_EXIT_CODE)
 
     def summary(self, wall: float, stopped: str | None = None) -> dict:
         """Write run_dir/summary.json (rank 0) and print it; `stopped`: why the run ended early
@@ -320,90 +307,3 @@ class Trainer(CheckpointLifecycle):
         return summary
 
 
-def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
-    """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
-    summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
-    if trainer is not None and trainer.started is not None:  # stopped inside run()
-        trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
-    if torch.distributed.get_rank() == 0:
-        message = f"error: {error}"
-        print(message, file=sys.stderr, flush=True)
-        if trainer is not None:  # a requeued SLURM job would diverge the same way
-            record_stop(trainer.cfg.run_dir, message, DIVERGED_EXIT_CODE)
-
-
-_run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)
-
-
-def _comm_failure(e: BaseException) -> bool:
-    if isinstance(e, getattr(torch.distributed, "DistError", ())):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset",
-                                                                   "Timed out", "timed out",
-                                                                   *accelerator.backend_error_words()))
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--run-dir", help="override run_dir of the config")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    procs.watch_owner()
-    args = parser.parse_args(argv)
-    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID", "0")  # srun sets no RANK yet
-    try:
-        cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
-    # Before the slow start-up (DeepSpeed imports, engine build), with the run's grace: ./run.sh
-    # holds a SIGTERM back until this rank handles it (launcher/procs.py Supervisor).
-    install_preemption_handler(cfg.train.stop_grace_seconds)
-    if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
-        from launcher.runlock import RunDirBusy, RunLock
-
-        global _run_lock
-        try:  # held until this process ends; released by its exit handlers (exit_rank runs them)
-            _run_lock = RunLock(cfg.run_dir).acquire()
-        except RunDirBusy as e:
-            sys.exit(f"error: {e}")
-        atexit.register(_run_lock.release)
-    from parallel.engine import exit_rank
-
-    trainer = None
-    try:
-        trainer = Trainer(cfg)
-        trainer.run()
-    except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
-        record_divergence_stop(trainer, e)
-        exit_rank(DIVERGED_EXIT_CODE)
-    except NoRoomStop as e:  # every rank, before the same save (make_room's all-reduce)
-        if rank == "0":
-            print(e, file=sys.stderr, flush=True)
-        exit_rank(procs.NO_ROOM_EXIT_CODE)
-    except SystemExit as e:
-        if e.code == PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
-            exit_rank(PREEMPTED_EXIT_CODE)
-        if not torch.distributed.is_initialized():
-            raise
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr, flush=True)  # what Python prints for sys.exit("error: …")
-        # The same teardown hazard as a clean end (see exit_rank): keep the exit status asked for.
-        exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
-    except Exception as e:
-        if not _comm_failure(e):
-            if not torch.distributed.is_initialized():
-                raise
-            traceback.print_exc()
-            exit_rank(1, clean=False)
-        step = f" at step {trainer.step}" if trainer is not None else ""
-        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
-        print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "
-              "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
-              file=sys.stderr, flush=True)
-        os._exit(1)  # no teardown of a broken process group
-    exit_rank(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,10 @@
-"""The checkpoint lifecycle of a training run: resume (verified against the manifest, falling back
-past damaged checkpoints), resume a checkpoint without a manifest (an older version's, or a
-universal one from `./run.sh convert reshard`), save and commit, set damaged ones aside, and refuse
-a changed model or layout. A mixin of launcher/train.py's Trainer, which holds the state it uses:
-cfg, layout, engine, module, stream, guard, history, step and ckpt_dir.
+"""The checkpoints of a training run, as one object the Trainer holds: save and commit (with room
+made on a full filesystem), resume the newest intact one (verified against its manifest, falling
+back past damaged ones, which are set aside), resume a universal checkpoint written by
+`./run.sh convert reshard`, and refuse a changed model or layout.
+
+What a checkpoint carries for the trainer (step, data position, history, guard state) is the
+trainer's: `save` takes it as `client` and `resume` returns it.
 """
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ except ImportError:  # not on every platform
 
 import torch
 
-from launcher.config import ConfigError, to_dict
-from launcher.preflight import resume_differences, saved_run_config
-from launcher.procs import NO_ROOM_EXIT_CODE
 from parallel import manifest, rng
+from trainer.config import ConfigError, RunConfig, to_dict
+from trainer.run_dir import record_stop, resume_differences, saved_run_config
+from trainer.signals import NO_ROOM_EXIT_CODE
 
 
 def log0(*args) -> None:
@@ -31,12 +33,31 @@ def log0(*args) -> None:
         print(*args, flush=True)
 
 
-class CheckpointLifecycle:
-    """Checkpoints of the Trainer (launcher/train.py): its resume, save and their checks."""
+class Checkpointer:
+    """The checkpoints of one run in `<run_dir>/checkpoints`, for the engine and module of this rank."""
 
-    def resume(self, newest_step: int | None = None) -> None:
-        """Load the newest checkpoint (at most `newest_step`) that verifies against its manifest and
-        holds finite weights; say which ones were skipped and why; stop if none is left."""
+    def __init__(self, cfg: RunConfig, layout, engine, module: torch.nn.Module):
+        self.cfg, self.layout, self.engine, self.module = cfg, layout, engine, module
+        self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+        self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
+
+    def universal(self) -> bool:
+        """A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
+        layout (parallel/checkpoints.py) and none of this trainer's; the engine must be built to
+        load it. Once this run saves its own checkpoints, those take over."""
+        return (not manifest.committed_tags(self.ckpt_dir)
+                and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
+
+    def resume(self, newest_step: int | None = None) -> dict | None:
+        """The trainer's state (`client` of `save`) from the newest checkpoint (at most `newest_step`)
+        that verifies against its manifest and holds finite weights, loaded into the engine; say
+        which ones were skipped and why; stop if none is left. None for a run with nothing to resume."""
+        if self.universal():
+            return self.resume_universal()
+        if not manifest.committed_tags(self.ckpt_dir) and not manifest.read_latest(self.ckpt_dir)[1]:
+            for tag in manifest.uncommitted_tags(self.ckpt_dir):
+                log0(f"ignoring {os.path.join(self.ckpt_dir, tag)}: its save never completed")
+            return None
         self.check_compatible()
         tag_named, why = manifest.read_latest(self.ckpt_dir)
         if why:
@@ -59,16 +80,16 @@ class CheckpointLifecycle:
                 log0(f"checkpoint {tag} is damaged: {problems[0]}{more}; falling back to an older one")
                 damaged.append(tag)
                 continue
-            self.restore_client(client, tag_dir)
+            self.restored(client, tag_dir)
             if damaged:
-                log0(f"resumed from the intact checkpoint {tag} (step {self.step}) instead of "
+                log0(f"resumed from the intact checkpoint {tag} (step {client['step']}) instead of "
                      f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
                 self.set_aside(damaged)
             else:
-                log0(f"resumed from {tag_dir} at step {self.step} (verified)")
+                log0(f"resumed from {tag_dir} at step {client['step']} (verified)")
                 if why and self.layout.rank == 0:  # `latest` named nothing usable: name the one resumed
                     manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
-            return
+            return client
         listed = ", ".join(tags) or "none"
         self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
                            "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
@@ -81,29 +102,28 @@ class CheckpointLifecycle:
         torch.distributed.barrier()
         raise SystemExit(1)
 
-    def resume_unverified(self, tag: str | None) -> None:
-        """A checkpoint without a manifest: an older version's, or a universal one (reshard)."""
+    def resume_universal(self) -> dict:
+        """The universal checkpoint of `./run.sh convert reshard` (it has no manifest: not verified)."""
         self.check_compatible()
-        path, client = self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
+        path, client = self.engine.load_checkpoint(self.ckpt_dir)
         if path is None:
-            raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint {tag or 'latest_universal'} cannot be "
+            raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint latest_universal cannot be "
                              "loaded; train afresh in another run_dir")
         if not self.weights_finite():
             raise SystemExit(f"error: {path} holds non-finite weights; it cannot be resumed")
-        self.restore_client(client, path)
-        log0(f"resumed from {path} at step {self.step} (written without a manifest: not verified)")
+        self.restored(client, path)
+        log0(f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
+        return client
 
-    def restore_client(self, client: dict, path: str) -> None:
-        self.step = client["step"]
+    def restored(self, client: dict, path: str) -> None:
+        """After the engine loaded a checkpoint: this rank's RNG streams and the config's optimizer
+        settings."""
         tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
         self.resumed_dir = os.path.realpath(tag_dir)
-        self.stream.load_state_dict(client["data"])
-        self.guard.load_state_dict(client.get("guard"))
         rank = self.layout.rank
-        if not rng.load(tag_dir, rank):  # only unverified checkpoints get here without one
-            print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout "
-                  "or an older version): this rank's dropout masks start afresh", flush=True)
-        self.history = client["history"]
+        if not rng.load(tag_dir, rank):  # a universal checkpoint of another layout has none
+            print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout): "
+                  "this rank's dropout masks start afresh", flush=True)
         self.apply_optimizer_config()
 
     def apply_optimizer_config(self) -> None:
@@ -175,21 +195,20 @@ class CheckpointLifecycle:
             raise SystemExit(f"error: {self.ckpt_dir} was trained with another model or layout "
                              f"({'; '.join(diffs)}). Use a new run_dir, or convert the checkpoint.")
 
-    def save(self) -> str:
+    def save(self, step: int, client: dict) -> str:
         """Every rank writes its files, then the manifest commits them (parallel/manifest.py): only
         then does `latest` name this checkpoint. A folder of the same tag left by an earlier,
         interrupted or damaged save is removed first; so is, when the filesystem is short of room,
         what rotation would remove after this save anyway (`make_room`). A write that fails (a full
         disk, a quota, a file-size limit) stops the run with one line per rank naming the checkpoint
         and the reason; the previous checkpoints stay intact and the incomplete one is ignored."""
-        tag = f"step{self.step}"
+        tag = f"step{step}"
         tag_dir = os.path.join(self.ckpt_dir, tag)
-        client = {"step": self.step, "data": self.stream.state_dict(), "history": self.history,
-                  "guard": self.guard.state_dict(), "config": to_dict(self.cfg)}
+        client = dict(client, step=step, config=to_dict(self.cfg))
         if self.layout.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
         torch.distributed.barrier()
-        self.make_room(tag)
+        self.make_room(step)
         try:
             rng.save(tag_dir, self.layout.rank)
             self.engine.save_checkpoint(self.ckpt_dir, tag=tag, client_state=client, save_latest=False)
@@ -203,7 +222,7 @@ class CheckpointLifecycle:
                        f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}")
             record_stop(self.cfg.run_dir, message, 1)
             raise SystemExit(message) from None
-        manifest.commit(self.ckpt_dir, tag, self.step, extra={"config": to_dict(self.cfg)})
+        manifest.commit(self.ckpt_dir, tag, step, extra={"config": to_dict(self.cfg)})
         if self.layout.rank == 0:
             try:  # the manifest holds the config too (preflight.saved_run_config): a failure here loses nothing
                 manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"),
@@ -215,7 +234,7 @@ class CheckpointLifecycle:
             for old in tags[self.cfg.train.keep_checkpoints:]:
                 shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
             for old in manifest.uncommitted_tags(self.ckpt_dir):
-                if int(old[4:]) < self.step:
+                if int(old[4:]) < step:
                     shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
         return tag_dir
 
@@ -226,7 +245,7 @@ class CheckpointLifecycle:
                     f"filesystem) and rerun to resume from it")
         return "No checkpoint was saved yet: make room and rerun (it starts afresh)"
 
-    def make_room(self, tag: str) -> None:
+    def make_room(self, step: int) -> None:
         """Before writing `tag`: it needs about as much room as the newest committed checkpoint
         (unknown, so not checked, when that one was saved in another precision). When any rank's
         filesystem has less free (plus 5%) and deleting what this save would delete anyway
@@ -235,6 +254,7 @@ class CheckpointLifecycle:
         rank 0 deletes them; otherwise, or if the room does not appear, every rank stops before
         writing anything, and nothing was deleted for nothing. All ranks decide on the same
         all-reduced numbers."""
+        tag = f"step{step}"
         committed = manifest.committed_tags(self.ckpt_dir)
         removable, need = [], 0
         if self.layout.rank == 0 and committed:
@@ -243,7 +263,7 @@ class CheckpointLifecycle:
                 need = _tree_bytes(os.path.join(self.ckpt_dir, committed[0]))
             removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
             removable += [t for t in manifest.uncommitted_tags(self.ckpt_dir)
-                          if int(t[4:]) < self.step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
+                          if int(t[4:]) < step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
         freed = sum(_tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
         need, free, freed = _agreed_room(need, self.ckpt_dir, self.layout.device, freed)
         if not need or free >= need * ROOM_MARGIN:
@@ -267,20 +287,6 @@ class CheckpointLifecycle:
         if self.layout.rank == 0:
             record_stop(self.cfg.run_dir, message, NO_ROOM_EXIT_CODE)
         raise NoRoomStop(message)
-
-
-STOPPED_MARKER = "stopped.json"  # launcher/slurm.py names it too (it does not import torch)
-
-
-def record_stop(run_dir: str, message: str, code: int) -> None:
-    """run_dir/stopped.json: why the run stopped in a way a requeue would meet again, and the exit
-    code; a SLURM job then ends with that code instead of requeueing itself (launcher/slurm.py;
-    srun may report the ranks it killed instead). Best effort: the disk may be full."""
-    try:
-        manifest.write_atomic(os.path.join(run_dir, STOPPED_MARKER),
-                              json.dumps({"code": code, "reason": message}) + "\n")
-    except OSError:
-        pass
 
 
 class NoRoomStop(Exception):

@@ -1,5 +1,5 @@
 """The accelerators the planner prices: a datasheet table of GPU types, the kernel efficiency
-measured on them, and this machine's CPU as a device (parallel/planner.py prices layouts on these).
+measured on them, and this machine's CPU as a device (planner/planner.py prices layouts on these).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ DEVICES: dict[str, dict] = {
 }
 # Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
 # and communication (what step_time divides compute by). Per GPU type, measured where a GPU of
-# that type ran `./run.sh bench train` (launcher/bench_gpu.py: bf16, 4,096-target-token
+# that type ran `./run.sh bench train` (bench/gpu.py: bf16, 4,096-target-token
 # micro-batches), one entry per model width measured; a model takes the entry of the nearest
 # width. The H100 figures are small because these shapes are host-bound there: the GPU waited
 # for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/profile-*.txt).

@@ -7,22 +7,18 @@ import copy
 import dataclasses
 import os
 import stat
-import typing
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated
 
 import yaml
 
 from data.config import DataConfig
-from model.config import ModelConfig, NonNegative, Positive, Rule, check_fields
+from model.config import ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
+from schema.fields import ConfigError, NonNegative, Positive, Rule, from_dict
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and the key."""
 
 
 @dataclass(kw_only=True)
@@ -61,95 +57,6 @@ class RunConfig:
     def world_size(self) -> int:
         p = self.parallel
         return p.pipeline_stages * p.tensor_parallel * p.data_parallel
-
-
-def _type_name(typ) -> str:
-    base = typing.get_args(typ)[0] if typing.get_origin(typ) is Annotated else typ
-    if typing.get_origin(base) is Literal:
-        return "one of " + ", ".join(str(x) for x in typing.get_args(base))
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}
-    return names.get(base, getattr(base, "__name__", str(base)))
-
-
-def _coerce(value, typ, file: str, key: str):
-    """Check/convert the YAML value of `key` in `file` against a dataclass field type (Annotated
-    and Literal too)."""
-    where = f"{file}: {key}"
-    if typing.get_origin(typ) is Annotated:
-        typ = typing.get_args(typ)[0]
-    origin = typing.get_origin(typ)
-    if value is None:
-        raise ConfigError(f"{where} has no value; give {_type_name(typ)} or remove the key")
-    if origin is Literal:
-        choices = typing.get_args(typ)
-        if any(value == c and type(value) is type(c) for c in choices):
-            return value
-        raise ConfigError(f"{where}={value!r}: must be one of {', '.join(str(c) for c in choices)}")
-    if typ is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        # YAML 1.1 reads 5e-4 (no dot) as a string; take it as the number it spells.
-        try:
-            return float(value)
-        except ValueError:
-            pass
-        except OverflowError:
-            raise ConfigError(f"{where}={value!r}: too large; give a finite number") from None
-    if typ is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if typ is bool and isinstance(value, bool):
-        return value
-    if typ is str and isinstance(value, str):
-        return value
-    if typ is dict and isinstance(value, dict):
-        return dict(value)
-    if origin is dict and isinstance(value, dict):
-        item = typing.get_args(typ)[1]
-        return {str(k): from_dict(item, v, file, f"{key}.{k}.") if dataclasses.is_dataclass(item) else v
-                for k, v in value.items()}
-    if origin in (list, tuple) and isinstance(value, (list, tuple)):
-        args = typing.get_args(typ)
-        if origin is tuple and len(args) != len(value):
-            raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
-        items = [_coerce(v, args[0] if origin is list else args[i], file, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin in (list, tuple):
-        raise ConfigError(f"{where}={value!r}: expected a list ([a, b])")
-    raise ConfigError(f"{where}={value!r}: expected {_type_name(typ)}")
-
-
-def from_dict(cls, values: dict, where: str, prefix: str = ""):
-    """Build dataclass `cls` from a mapping read from file `where`; `prefix` is the key path of
-    the mapping ("model."). Unknown keys, wrong types, values outside the enumeration or bounds
-    declared in the field annotations and broken rules of the dataclass raise a ConfigError that
-    names the file and the key."""
-    section = prefix.rstrip(".") or "the top level"
-    if values is None:
-        raise ConfigError(f"{where}: {section} is empty; give its keys or remove it")
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where}: {section} must be a mapping of keys, got {values!r}")
-    hints = typing.get_type_hints(cls, include_extras=True)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [str(k) for k in values if k not in known]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key {prefix}{unknown[0]}; the keys{' of ' + section if prefix else ''} "
-                          f"are {', '.join(known)}")
-    kwargs = {}
-    for name, value in values.items():
-        typ = hints[name]
-        if dataclasses.is_dataclass(typ):
-            kwargs[name] = from_dict(typ, value, where, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(value, typ, where, f"{prefix}{name}")
-    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
-               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise ConfigError(f"{where}: {prefix}{missing[0]} is required; give it a value")
-    try:
-        obj = cls(**kwargs)
-        check_fields(obj, prefix.rstrip(".") or "run")
-    except ValueError as e:
-        message = str(e)
-        raise ConfigError(f"{where}: {message.removeprefix('run.')}") from None
-    return obj
 
 
 def to_dict(obj) -> dict:

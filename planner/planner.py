@@ -43,7 +43,7 @@ import yaml
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
 from parallel.accelerator import HOST
-from parallel.devices import Device
+from planner.devices import Device
 from parallel.partition import stage_bounds
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

@@ -21,7 +21,7 @@ def step_bubbles(ranks_steps: list[list[dict]]) -> list[list[float | None]]:
     backward, weight passes) / the step's pipeline phase.
 
     ranks_steps[r][k] is rank r's wall seconds by instruction in step k (`instrument` in
-    launcher/bench_worker.py), with the system clock at the step's first instruction and at the
+    bench/worker.py), with the system clock at the step's first instruction and at the
     end of the rank's last pipeline op ("clock_start", "clock_end"; one host's clock, or hosts
     kept in step by NTP). The phase runs from the first rank's start to the last rank's end of
     pipeline work: a stage whose work ends earlier is idle until then, although DeepSpeed puts
@@ -60,7 +60,7 @@ def schedule_stats(result: dict) -> dict:
     """Pipeline schedule comparison (1F1B vs ZB-H1), per stage: the measured bubble (idle
     fraction of the step's pipeline phase, `step_bubbles`; mean over steps and the stage's ranks), the busy CPU
     seconds of forward, backward and weight passes per step, and the peak bytes of live tensors
-    over one step (`live_tensor_memory` in launcher/bench_worker.py)."""
+    over one step (`live_tensor_memory` in bench/worker.py)."""
     pp = result["layout"]["pp"]
     bubble, busy, live = [[] for _ in range(pp)], [[] for _ in range(pp)], [0.0] * pp
     per_rank = step_bubbles([rank["instructions"] for rank in result["ranks"]])

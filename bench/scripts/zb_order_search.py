@@ -9,11 +9,9 @@ costs. Memory is counted in units of one micro-batch's activations A, a pending 
 `ratio` units (the planner's weight_grad_bytes / layer_activation_bytes of that stage). For
 each peak the fastest order is printed with its bubble as a share of 1F1B's.
 """
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-from parallel.zb_timeline import fixed, one_f_one_b_order, simulate  # noqa: E402
+from parallel.zb_timeline import fixed, one_f_one_b_order, simulate
 
 COSTS = {  # CPU seconds per micro-batch, last stage (README, Zero-bubble schedule)
     "default model (6L-6L d=128)": {"F": 0.077, "B": 0.082, "W": 0.043},

@@ -13,16 +13,14 @@ import ctypes
 import os
 import resource
 import statistics
-import sys
 import time
 
 import torch
 import yaml
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
-from launcher.bench_model import _step  # noqa: E402
-from model.config import ModelConfig  # noqa: E402
-from model.transformer import EncoderDecoder  # noqa: E402
+from bench.model import _step
+from model.config import ModelConfig
+from model.transformer import EncoderDecoder
 
 M_TRIM_THRESHOLD = -1
 SETTINGS = {"trim 128 KiB": 128 * 1024, "keep 1 GiB": 1 << 30}

@@ -27,7 +27,7 @@ PY
 want test && timeout 230 ./run.sh test-gpu 2>&1 | tee "$OUT/test-gpu.log"
 if want profile; then
   for shape in 6L-6L-d512 100L-100L-d64; do
-    timeout 120 python3 launcher/bench_gpu.py --profile $shape --out "$OUT" 2>&1 | tail -5
+    timeout 120 python3 bench/gpu.py --profile $shape --out "$OUT" 2>&1 | tail -5
   done
 fi
 if want bench; then

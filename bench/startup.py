@@ -14,16 +14,12 @@ partition, timed here, and ZeRO's flattening of the stage's parameters, one copy
 """
 from __future__ import annotations
 
+import argparse
+import os
+import resource
 import time
 
-_T0 = time.time()  # as early as possible: interpreter start-up is added from the process's birth
-
-import argparse  # noqa: E402
-import os  # noqa: E402
-import resource  # noqa: E402
-import sys  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_T0 = time.time()  # early (after the standard library's small modules): start-up counts from the process's birth
 
 
 def _cpu() -> float:
@@ -62,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import deepspeed  # noqa: F401  (every rank imports it; counted with the other imports)
-    from launcher.config import load_config
+    from trainer.config import load_config
     from model.transformer import layer_plan
     from parallel.pipeline import layer_costs, layer_specs, stage_flow, stage_message
     from parallel.partition import partition_balanced

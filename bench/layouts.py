@@ -16,10 +16,10 @@ Flags with comma-separated values span a grid (their product). A grid file holds
       - {pp: [1, 2], dp: 1, ac: [0, 1], max_tokens: 1024, micro_batches: 4, precision: fp32}
       - {pp: 1, threads: [1, 2]}       # OpenMP threads per rank (default: cores / ranks)
 
-Each layout runs in its own launch (`launcher/bench_worker.py`), so its memory is its own. Per
+Each layout runs in its own launch (`bench/worker.py`), so its memory is its own. Per
 layout: target tokens/s (non-padding), step time median and spread, model TFLOP/s (model/flops.py),
 MFU and HFU against the peak (CPU: a matmul probe at start, all cores; GPU: datasheet table in
-parallel/planner.py), the measured pipeline bubble next to (p−1)/(m+p−1), and the peak memory of
+planner/planner.py), the measured pipeline bubble next to (p−1)/(m+p−1), and the peak memory of
 each stage above the process baseline next to the planner's prediction. Written to
 DIR/bench.{csv,md,json}.
 """
@@ -34,9 +34,9 @@ import sys
 
 import yaml
 
-from launcher.bench_report import LAYOUT_KEYS, Environment, summarize, write_outputs
+from bench.report import LAYOUT_KEYS, Environment, summarize, write_outputs
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.config import ConfigError, load_config
+from trainer.config import ConfigError, load_config
 from parallel.accelerator import HOST
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
@@ -102,7 +102,7 @@ def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, in
     base = load_config(config)
     model = dict(spec.get("model") or {})
     if args.model:
-        from parallel.planner import named_model
+        from planner.planner import named_model
 
         try:
             shape = named_model(args.model)
@@ -148,9 +148,8 @@ def run_one(config: str, model: dict, layout: dict, world: int, work: str, data_
         json.dump({"model": model, "layout": layout}, f)
     args = ["--config", os.path.abspath(config), "--layout", spec_path, "--work-dir", os.path.join(work, "runs"),
             "--data-dir", data_dir, "--out", out] + (["--profile-dir", profile_dir] if profile_dir else [])
-    script = os.path.join(ROOT, "launcher", "bench_worker.py")
     # A world of one needs no launcher; more ranks go through the real deepspeed launcher.
-    cmd = [sys.executable, script, *args] if world == 1 else deepspeed_command(world, "launcher/bench_worker.py", args)
+    cmd = [sys.executable, "-m", "bench.worker", *args] if world == 1 else deepspeed_command(world, "bench.worker", args)
     if os.path.exists(out):
         os.remove(out)
     env = launch_environment(layout, world)

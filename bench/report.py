@@ -20,7 +20,7 @@ Definitions (the README repeats them):
   CPU breakdown     per step and rank, the trainer's CPU seconds in data, forward (with the
                     loss), backward, clipping, optimizer and engine bookkeeping (the rest), next
                     to the plain model's forward, backward, clipping and optimizer
-Times and memory come from separate phases of the worker (launcher/bench_worker.py): the memory
+Times and memory come from separate phases of the worker (bench/worker.py): the memory
 phase's allocator settings cost deep-narrow models up to 80% more CPU time.
   memory            per stage, the largest peak above the process baseline among its replicas
 """
@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
 from parallel.config import ParallelConfig
-from parallel.planner import Candidate
+from planner.planner import Candidate
 from parallel import accelerator
 from parallel.accelerator import HOST
-from launcher.bench_pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
+from bench.pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
 
 # Layout keys of a benchmark grid → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
@@ -93,7 +93,7 @@ class Environment:
 
         cores = os.cpu_count() or 1
         if accelerator.gpu_available():
-            from parallel.devices import DEVICES
+            from planner.devices import DEVICES
 
             name = accelerator.gpu_name()
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
@@ -152,8 +152,8 @@ def largest_microbatch(result: dict) -> tuple[int, int, int]:
 
 def predicted_memory(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment) -> list[float] | None:
     """The planner's peak bytes per stage for this layout and micro-batch (CPU fp32 only)."""
-    from parallel.devices import cpu_device
-    from parallel.planner import stage_memory
+    from planner.devices import cpu_device
+    from planner.planner import stage_memory
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None  # the planner's CPU model is fp32 (bf16 on CPU is not a training target)
@@ -180,8 +180,8 @@ ranking layouts (tests/test_planner.py), the absolute value depends on this gues
 
 def predicted_step(model: ModelConfig, layout: dict, shape: tuple[int, int, int], env: Environment,
                    threads_per_rank: int) -> float | None:
-    from parallel.devices import cpu_device
-    from parallel.planner import step_time
+    from planner.devices import cpu_device
+    from planner.planner import step_time
 
     if env.device_kind != HOST or layout["precision"] != "fp32":
         return None

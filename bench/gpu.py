@@ -6,13 +6,13 @@ Each shape trains on one GPU with the real DeepSpeed engine of this trainer (par
 the pipeline module at pp = 1, BF16_Optimizer with fp32 master weights, ZeRO-1, AdamW), on
 synthetic token ids of a fixed shape: micro-batches of 32 sentence pairs × (128 + 128) tokens,
 i.e. 4,096 target tokens, 4 micro-batches per optimizer step. One process per shape, because a
-DeepSpeed engine is never freed (launcher/bench_worker.py says why).
+DeepSpeed engine is never freed (bench/worker.py says why).
 
 Measured per shape, after `--warmup` steps, over `--steps` steps timed with the device
 synchronised: target tokens/s; achieved model TFLOP/s (model/flops.py, no recomputation; the
 whole step, optimizer included); MFU against the datasheet dense bf16 peak of the GPU
-(parallel/devices.py DEVICES); the kernel efficiency the planner assumes (model FLOPs over the
-time of the forward and backward instructions alone, as parallel/planner.py step_time models
+(planner/devices.py DEVICES); the kernel efficiency the planner assumes (model FLOPs over the
+time of the forward and backward instructions alone, as planner/planner.py step_time models
 compute); the allocator's peak memory next to the planner's prediction for the same layout.
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 # (encoder layers, decoder layers, d_model, heads, FFN, vocabulary). WMT shapes take a 32k joint
 # vocabulary; the slice of the 3.2B model keeps its 128k one, with embedding and output layer, as
@@ -68,10 +67,12 @@ def measure(shape: str, steps: int, warmup: int, precision: str = "bf16") -> dic
     """Train `shape` on this process's GPU and return the measurements (a world of one)."""
     import torch
 
-    from launcher.bench_worker import instrument
-    from launcher.config import RunConfig
+    from bench.worker import instrument
+    from trainer.config import RunConfig
     from model.flops import training_flops
-    from parallel import accelerator, devices, planner
+    from parallel import accelerator
+    from planner import devices
+    from planner import planner
     from parallel.engine import build_engine, setup_distributed
     from parallel.layout import Layout
 
@@ -152,7 +153,7 @@ def profile(shape: str, out: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity
 
-    from launcher.config import RunConfig
+    from trainer.config import RunConfig
     from parallel.engine import build_engine, setup_distributed
     from parallel.layout import Layout
 

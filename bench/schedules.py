@@ -9,8 +9,8 @@ pair slow each other's caches). Here one launch per micro-batch count builds one
 per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 none), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
-the pipeline phase, wall: launcher/bench_pipeline.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
-schedule's dependency graph; launcher/bench_pipeline.py `replayed_pipeline`). Memory is measured by
+the pipeline phase, wall: bench/pipeline.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
+schedule's dependency graph; bench/pipeline.py `replayed_pipeline`). Memory is measured by
 `./run.sh bench train` (one layout per process; engines are never freed). Writes
 OUT/schedules.{md,json} (default runs/bench-schedules).
 """
@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
@@ -38,8 +37,8 @@ def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from launcher.bench_worker import instrument, layout_config
-    from launcher.train import Trainer
+    from bench.worker import instrument, layout_config
+    from trainer.trainer import Trainer
     from parallel.engine import exit_rank, setup_distributed
 
     setup_distributed()
@@ -89,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(result: dict) -> list[dict]:
     """One row per schedule: wall and CPU per step, measured bubble per stage, CPU replay."""
-    from launcher.bench_pipeline import replayed_pipeline, step_bubbles
+    from bench.pipeline import replayed_pipeline, step_bubbles
 
     pp, m = result["pp"], result["micro_batches"]
     rows = []
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from data.prepare import prepare_data
-    from launcher.config import load_config
+    from trainer.config import load_config
 
     base = load_config(args.config)
     data_dir = os.path.abspath(os.path.join(base.run_dir, "data"))
@@ -179,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     for m in (int(x) for x in args.micro_batches.split(",")):
         result = os.path.join(work, f"m{m}.json")
         log = os.path.join(work, f"m{m}.log")
-        cmd = deepspeed_command(args.pp, "launcher/bench_zb.py", [
+        cmd = deepspeed_command(args.pp, "bench.schedules", [
             os.path.abspath(args.config), "--worker", "--pp", str(args.pp), "--micro-batch-count", str(m),
             f"--zb-pending-w={args.zb_pending_w}", "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--work-dir", work, "--data-dir", data_dir, "--result", result])

@@ -1,13 +1,13 @@
 """Benchmark worker: one layout per launch.
 
-    deepspeed --num_gpus N launcher/bench_worker.py --config RUN.yaml --layout L.json --out R.json
-    python launcher/bench_worker.py ...          (world of one: no launcher needed)
+    deepspeed --num_gpus N --module bench.worker --config RUN.yaml --layout L.json --out R.json
+    python -m bench.worker ...          (world of one: no launcher needed)
 
 The real `Trainer` is built and `train_step()` runs in two phases:
 
   memory   warm-up + measured steps; per rank the peak memory above the process baseline (VmHWM
            on CPU, the allocator peak on GPUs). On CPU the launcher sets a 128 KiB mmap threshold
-           so that RSS follows the live tensors (launcher/bench_layouts.py); that costs every
+           so that RSS follows the live tensors (bench/layouts.py); that costs every
            activation an mmap and its page faults (650k per 100L-100L d=64 step here, +80% CPU
            time), so no time of this phase is reported.
   speed    the allocator back to glibc's largest automatic threshold (as in training), one
@@ -29,6 +29,7 @@ the same process would start on top of the first one's parameters and optimizer 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -36,18 +37,16 @@ import gc
 import json
 import os
 import shutil
-import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil
 import torch
 
-from launcher.bench_pipeline import PIPELINE_OPS
-from launcher.bench_report import LAYOUT_KEYS
-from launcher.config import RunConfig, load_config
+from bench.pipeline import PIPELINE_OPS
+from bench.report import LAYOUT_KEYS
+from trainer.config import RunConfig, load_config
 from parallel import accelerator
 
 def _on_cpu() -> bool:
@@ -63,7 +62,7 @@ def prime_process(cfg: RunConfig) -> None:
     +134 MB; model code paths imported ~600 modules, +43 MB), thread pools, kernel caches,
     process groups. What that tiny engine keeps (DeepSpeed never frees one) is a few hundred kB.
     """
-    from launcher.train import Trainer
+    from trainer.trainer import Trainer
 
     tiny = copy.deepcopy(cfg)
     layers = max(1, cfg.parallel.pipeline_stages)
@@ -101,34 +100,28 @@ def peak_memory() -> int:
 
 
 def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
-    """Time every pipeline instruction the engine executes: (wall seconds, CPU seconds) by name,
-    and for the measured bubble's phase (launcher/bench_pipeline.py `step_bubbles`) the system
-    clock (`time.time`) at the step's first instruction and at the end of its last forward,
-    backward or weight pass: wall["clock_start"], wall["clock_end"].
-
-    The engine looks its handlers up in `self._INSTRUCTION_MAP`; an instance attribute with
-    timed wrappers shadows the class table without changing what runs.
-    """
+    """Time every pipeline instruction the engine executes (`TrainerEngine.observe`): (wall
+    seconds, CPU seconds) by name, and for the measured bubble's phase (bench/pipeline.py
+    `step_bubbles`) the system clock (`time.time`) at the step's first instruction and at the end
+    of its last forward, backward or weight pass: wall["clock_start"], wall["clock_end"]."""
     wall: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
     synchronize = accelerator.synchronize
 
-    def timed(name, handler):
-        def run(self, *args, **kwargs):
-            synchronize()
-            if not wall:  # the step's first instruction (the caller clears `wall` per step)
-                wall["clock_start"] = time.time()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            result = handler(self, *args, **kwargs)
-            synchronize()
-            wall[name] += time.perf_counter() - start
-            cpu[name] += time.process_time() - start_cpu
-            if name in PIPELINE_OPS:
-                wall["clock_end"] = time.time()
-            return result
-        return run
+    @contextlib.contextmanager
+    def timed(name, kwargs):
+        synchronize()
+        if not wall:  # the step's first instruction (the caller clears `wall` per step)
+            wall["clock_start"] = time.time()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        yield
+        synchronize()
+        wall[name] += time.perf_counter() - start
+        cpu[name] += time.process_time() - start_cpu
+        if name in PIPELINE_OPS:
+            wall["clock_end"] = time.time()
 
-    engine._INSTRUCTION_MAP = {cls: timed(cls.__name__, fn) for cls, fn in type(engine)._INSTRUCTION_MAP.items()}
+    engine.observe(timed)
     return wall, cpu
 
 
@@ -285,7 +278,7 @@ def profile_step(trainer: object, path: str) -> dict:
 
 def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, model_overrides: dict,
                profile_dir: str | None) -> dict | None:
-    from launcher.train import Trainer
+    from trainer.trainer import Trainer
 
     rank = torch.distributed.get_rank()
     run_dir = os.path.join(work_dir, layout["name"])
@@ -366,20 +359,16 @@ def live_tensor_memory(trainer: object) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     engine = trainer.engine
-    table = type(engine)._INSTRUCTION_MAP
 
-    def labelled(name, handler):
-        def run(self, *args, **kwargs):
-            with record_function(f"instruction:{name}:{kwargs.get('buffer_id', '')}"):
-                return handler(self, *args, **kwargs)
-        return run
+    def labelled(name, kwargs):
+        return record_function(f"instruction:{name}:{kwargs.get('buffer_id', '')}")
 
-    engine._INSTRUCTION_MAP = {cls: labelled(cls.__name__, fn) for cls, fn in table.items()}
+    stop = engine.observe(labelled)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.train_step()
     finally:
-        del engine._INSTRUCTION_MAP
+        stop()
     events = prof.profiler.kineto_results.events()
     host = _on_cpu()
     bucket = int(getattr(engine.optimizer, "reduce_bucket_size", 0))

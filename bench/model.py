@@ -32,6 +32,7 @@ import atexit
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -45,7 +46,6 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 VARIANTS = ("torch", "kernels")
 
@@ -82,8 +82,11 @@ def model_at(rev: str, repo: str = REPO):
                     text = f.read()
                 with open(path, "w") as f:
                     f.write(imports.sub(rf"\1\2 {name}", text))
-    sys.path.insert(0, root)
-    try:
+    try:  # the package is imported from its folder, under its own name
+        spec = importlib.util.spec_from_file_location(name, os.path.join(package, "__init__.py"),
+                                                      submodule_search_locations=[package])
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
         return commit, importlib.import_module(f"{name}.transformer")
     except Exception as error:  # code of another era: say which commit and why
         raise BenchError(f"--against {rev}: the model package of {commit} does not import here "
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.kernels import kernels
     from parallel.accelerator import keep_freed_host_memory
-    from parallel.planner import named_model
+    from planner.planner import named_model
 
     try:
         shapes = {name: named_model(name) for name in args.model.split(",")}

@@ -18,7 +18,7 @@ In every case the engine then counts a skipped step and does not advance the LR 
 
 The loss share is what the pipeline's last stage accumulated over its micro-batches
 (`engine.total_loss`); summed over replicas and divided by micro-batches × replicas it is the
-step's reported loss. The trainer applies the policy after the step (launcher/train.py).
+step's reported loss. The trainer applies the policy after the step (trainer/trainer.py).
 """
 from __future__ import annotations
 

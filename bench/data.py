@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from data.validate import check_shard, deduplicate
     from data.workers import run_tasks, worker_count
     from launcher.launch import DEFAULT_CONFIG
-    from launcher.config import load_config
+    from trainer.config import load_config
 
     parser = argparse.ArgumentParser(prog="run.sh bench data", description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="model, batching and data settings")

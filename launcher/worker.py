@@ -1,0 +1,117 @@
+"""Training worker: one process per pipeline stage × replica, started by the deepspeed launcher
+(`./run.sh train`) or by srun (a SLURM job script, launcher/slurm.py).
+
+    deepspeed --num_gpus 2 --module launcher.worker --config configs/default.yaml
+
+The data must already be prepared in <run_dir>/data (`./run.sh train` does that first). This is
+the process around the Trainer (trainer/trainer.py): the run lock when no ./run.sh holds it, the
+signal handlers, and how each way of stopping ends the rank with the exit code the launcher and
+the job script act on (trainer/signals.py).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import sys
+import time
+import traceback
+
+import torch
+
+from parallel import accelerator
+from launcher.runlock import RunDirBusy, RunLock
+from trainer import signals
+from trainer.checkpointer import NoRoomStop
+from trainer.config import ConfigError, load_config
+from trainer.guard import DivergenceStop
+from trainer.run_dir import record_stop
+from trainer.trainer import Trainer
+
+
+def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
+    """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
+    summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
+    if trainer is not None and trainer.started is not None:  # stopped inside run()
+        trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
+    if torch.distributed.get_rank() == 0:
+        message = f"error: {error}"
+        print(message, file=sys.stderr, flush=True)
+        if trainer is not None:  # a requeued SLURM job would diverge the same way
+            record_stop(trainer.cfg.run_dir, message, signals.DIVERGED_EXIT_CODE)
+
+
+_run_lock = None  # the run directory's lock when this rank took it (launched without ./run.sh)
+
+
+def _comm_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset",
+                                                                   "Timed out", "timed out",
+                                                                   *accelerator.backend_error_words()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--run-dir", help="override run_dir of the config")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    signals.watch_owner()
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID", "0")  # srun sets no RANK yet
+    try:
+        cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    # Before the slow start-up (DeepSpeed imports, engine build), with the run's grace: ./run.sh
+    # holds a SIGTERM back until this rank handles it (launcher/procs.py).
+    signals.install_rank_handlers(cfg.train.stop_grace_seconds)
+    if rank == "0" and not os.environ.get("DEEPNET_RUN_LOCK_HELD"):  # e.g. started by srun
+        global _run_lock
+        try:  # held until this process ends; released by its exit handlers (exit_rank runs them)
+            _run_lock = RunLock(cfg.run_dir).acquire()
+        except RunDirBusy as e:
+            sys.exit(f"error: {e}")
+        atexit.register(_run_lock.release)
+    from parallel.engine import exit_rank
+
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()
+    except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
+        record_divergence_stop(trainer, e)
+        exit_rank(signals.DIVERGED_EXIT_CODE)
+    except NoRoomStop as e:  # every rank, before the same save (make_room's all-reduce)
+        if rank == "0":
+            print(e, file=sys.stderr, flush=True)
+        exit_rank(signals.NO_ROOM_EXIT_CODE)
+    except SystemExit as e:
+        if e.code == signals.PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
+            exit_rank(signals.PREEMPTED_EXIT_CODE)
+        if not torch.distributed.is_initialized():
+            raise
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr, flush=True)  # what Python prints for sys.exit("error: …")
+        # The same teardown hazard as a clean end (see exit_rank): keep the exit status asked for.
+        exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
+    except Exception as e:
+        if not _comm_failure(e):
+            if not torch.distributed.is_initialized():
+                raise
+            traceback.print_exc()
+            exit_rank(1, clean=False)
+        step = f" at step {trainer.step}" if trainer is not None else ""
+        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
+        print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "
+              "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
+              file=sys.stderr, flush=True)
+        os._exit(1)  # no teardown of a broken process group
+    exit_rank(0)
+
+
+if __name__ == "__main__":
+    main()
