@@ -12,7 +12,7 @@ backward = 2 × forward) costs
 
 with P_enc = N·(4d² + 2df) the encoder's matmul weights and the decoder's split by the tokens they
 act on: cross-attention keys and values project the *source* (P_dec,S = M·2d²), everything else
-the target (P_dec,T = M·(6d² + 2df)). DESIGN §5 writes 6·P_dec·T; that undercounts by
+the target (P_dec,T = M·(6d² + 2df)). The common shorthand 6·P_dec·T undercounts by
 12·M·d²·(S − T) per pair whenever source and target lengths differ, which the exact count in
 tests/test_flops.py exposes. Causal self-attention is counted as full S² (the kernels compute
 the masked half too, and it is the usual convention). Biases, LayerNorms, softmax and the

@@ -1,6 +1,6 @@
 """The run configuration's sections that parallel/ owns: how the model is laid out over
 processes (`parallel`) and how it is optimised (`train`). Each field declares what it accepts in
-its annotation (model/config.py's Range/Rule, Literal); trainer/config.py reads them from YAML
+its annotation (schema/fields.py: Range/Rule, Literal); trainer/config.py reads them from YAML
 and checks the rules across sections."""
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def test_recompute_adds_one_forward_of_the_layers():
 
 
 def test_differs_from_design_formula_only_by_cross_attention_keys_and_values():
-    # DESIGN §5 charges all decoder weights to target tokens; cross-attention K/V act on the source.
+    # The shorthand charges all decoder weights to target tokens; cross-attention K/V act on the source.
     n, m, d, f, v = CFG.encoder_layers, CFG.decoder_layers, CFG.d_model, CFG.ffn_dim, CFG.vocab_size
     for s, t in ((20, 10), (10, 20)):
         design = (6 * (n * (4 * d * d + 2 * d * f) * s + m * (8 * d * d + 2 * d * f) * t)

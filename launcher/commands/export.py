@@ -15,7 +15,6 @@ import tempfile
 import time
 
 HELP = "export a trained model to Hugging Face transformers (--to hf) or CTranslate2 (--to ctranslate2)"
-TOLERANCE = 1e-3  # refuse an export whose logits differ more than this from the project's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
+    from export.bundle import write_export
     from export.hf import ExportError, export_alphas
 
     hf_logging.disable_progress_bar()  # no weight-loading bars in the command's output
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     work = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
     try:
         try:
-            note = _export(loaded, alphas, args, work)
+            note = write_export(loaded, alphas, args.format, args.quantization, work)
         except ExportError as e:
             shutil.rmtree(work, ignore_errors=True)
             return _fail(str(e))
@@ -112,53 +112,3 @@ def run(args: argparse.Namespace) -> int:
         raise
     print(f"{note}\nwrote {args.out} in {time.perf_counter() - start:.1f} s")
     return 0
-
-
-def _export(loaded, alphas: tuple[float, float], args: argparse.Namespace, work: str) -> str:
-    """Write the export into the empty folder `work`; returns the line that describes it."""
-    from data.spm import Tokenizer
-    from export.card import model_card, run_facts
-    from export.hf import TOKENIZER_FILES, ExportError, write_hf
-    from export.verify import verify_hf
-
-    hf_dir = work if args.format == "hf" else os.path.join(work, ".hf")
-    os.makedirs(hf_dir, exist_ok=True)
-    spm_path = os.path.join(work, ".spm.model")
-    with open(spm_path, "wb") as f:
-        f.write(loaded.spm_model)
-    tokenizer = Tokenizer(spm_path)
-    first_piece = 4 + len(tokenizer.tags)  # past pad, unk, bos, eos and the tags
-    write_hf(loaded.model, loaded.spm_model, tokenizer, hf_dir)
-    check = verify_hf(loaded.model, hf_dir, tokenizer.bos_id, first_piece, alphas)
-    if check["max_abs_logit_diff"] > TOLERANCE:
-        raise ExportError(f"the exported model's logits differ from the project's by "
-                          f"{check['max_abs_logit_diff']:.2e} (> {TOLERANCE}); nothing was written")
-    note = _hf_note(loaded.model.cfg, alphas, check)
-    if args.format == "ctranslate2":
-        from export.ctranslate2 import convert, verify_ct2_note
-
-        convert(hf_dir, os.path.join(work, ".ct2"), args.quantization, TOKENIZER_FILES)
-        pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
-        note = verify_ct2_note(loaded.model, os.path.join(work, ".ct2"), pieces, tokenizer.bos_id, first_piece,
-                               args.quantization, note)
-        for name in os.listdir(os.path.join(work, ".ct2")):
-            os.replace(os.path.join(work, ".ct2", name), os.path.join(work, name))
-        shutil.rmtree(os.path.join(work, ".ct2"))
-        shutil.rmtree(hf_dir)
-    os.remove(spm_path)
-    card = model_card(loaded.meta, run_facts(loaded.meta), note, args.format, args.quantization)
-    with open(os.path.join(work, "README.md"), "w", encoding="utf-8") as f:
-        f.write(card)
-    return note
-
-
-def _hf_note(cfg, alphas: tuple[float, float], check: dict) -> str:
-    text = (f"transformers `MarianMTModel` (float32 safetensors), exported from `{cfg.norm}`. "
-            f"Checked on a probe batch: max |logit difference| to deepnet-trainer's model "
-            f"{check['max_abs_logit_diff']:.2e} (logits up to {check['max_abs_logit']:.1f}).")
-    if "with_exact_eps" in check:
-        text += (f" DeepNorm's residual weight α (encoder {alphas[0]:.4f}, decoder {alphas[1]:.4f}) is folded "
-                 f"into the attention output projections and FFN fc2 (divided by α: LN(α·x + G) = LN(x + G/α) "
-                 f"with ε/α²); Marian's LayerNorms keep ε = 1e-5 where ε/α² would be exact, and that accounts "
-                 f"for the difference: with ε/α² it is {check['with_exact_eps']:.2e}.")
-    return text

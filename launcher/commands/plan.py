@@ -7,7 +7,6 @@ import os
 
 from trainer.config import ConfigError
 from model.config import ModelConfig
-from planner.devices import Device
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
@@ -60,60 +59,6 @@ def load_model(spec: str) -> ModelConfig:
     return model
 
 
-def params_of(model: ModelConfig) -> float:
-    from planner.planner import layer_params
-
-    return (model.encoder_layers * layer_params(model, "encoder") + model.decoder_layers * layer_params(model, "decoder")
-            + layer_params(model, "embed"))
-
-
-def explain(fits: list, too_big: list, dev: Device) -> list[str]:
-    """Why the best plan wins: what it fits in, what the alternatives would cost."""
-    best = fits[0]
-    lay = best.layout
-    worst = max(best.memory, key=lambda m: m["peak"])
-    gib = 2**30
-    lines = [f"Best: {lay.describe()} — {best.tokens_per_s:,.0f} target tokens/s, MFU {best.mfu(dev):.1%}."]
-    lines.append(f"- Memory: its heaviest stage needs {worst['peak'] / gib:.1f} GiB of {dev.usable_bytes() / gib:.1f} "
-                 f"usable (weights+grads {worst['weights_grads'] / gib:.1f}, optimizer {worst['optimizer'] / gib:.1f}, "
-                 f"activations {worst['activations'] / gib:.1f}, buffers {worst['buffers'] / gib:.1f}; peak in the "
-                 f"{worst['peak_phase']}).")
-    t = best.time
-    lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
-                 f"({t['bubble_fraction']:.1%} = (p−1)/(m+p−1)), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
-                 f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
-    shallower = [p for p in too_big if p.layout.pp < lay.pp]
-    if shallower and not any(p.layout.pp < lay.pp for p in fits):
-        p = min(shallower, key=lambda p: p.peak_bytes)
-        lines.append(f"- Fewer stages do not fit: the leanest such plan ({p.layout.describe()}) needs "
-                     f"{p.peak_bytes / gib:.1f} GiB per GPU.")
-    for label, pick in (("with activation checkpointing" if not lay.checkpoint else "without checkpointing",
-                         lambda p: bool(p.layout.checkpoint) != bool(lay.checkpoint)),
-                        ("with a different tensor-parallel size", lambda p: p.layout.tp != lay.tp),
-                        ("with a different pipeline depth", lambda p: p.layout.pp != lay.pp)):
-        alt = next((p for p in fits if pick(p)), None)
-        if alt is not None:
-            lines.append(f"- Best plan {label}: {alt.layout.describe()}, {alt.tokens_per_s / best.tokens_per_s - 1:+.1%} "
-                         "throughput.")
-    return lines
-
-
-def table(plans: list, dev: Device, budget: tuple[str, float] | None) -> list[str]:
-    head = "| layout | peak GiB/GPU | step s | bubble | target tok/s | MFU |"
-    if budget:
-        head += " days |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for p in plans:
-        row = (f"| {p.layout.describe()} | {p.peak_bytes / 2**30:.1f} | {p.time['total']:.2f} | "
-               f"{p.time['bubble_fraction']:.1%} | {p.tokens_per_s:,.0f} | {p.mfu(dev):.1%} |")
-        if budget:
-            kind, amount = budget
-            seconds = amount / p.tokens_per_s if kind == "tokens" else amount / (p.model_flops_per_step / p.time["total"])
-            row += f" {seconds / 86400:.1f} |"
-        lines.append(row)
-    return lines
-
-
 def _ints(value: str | None, flag: str) -> set[int] | None:
     if value is None:
         return None
@@ -126,6 +71,7 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 def run(args: argparse.Namespace) -> int:
     from planner.devices import DEFAULT_PRECISION, device
     from planner.planner import search
+    from planner.report import explain, params_of, table
 
     if args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
