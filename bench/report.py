@@ -1,6 +1,6 @@
 """Turns benchmark worker results into the numbers of a table row, and writes CSV/Markdown/JSON.
 
-Definitions (the README repeats them):
+Definitions (docs/benchmarks.md repeats them):
   target tokens/s   non-padding target tokens of the measured steps / their summed step time
   model TFLOP/s     model/flops.py on the real lengths of every pair / step time
   MFU, HFU          model FLOP/s (resp. hardware FLOP/s: padded shapes + recomputation) / peak

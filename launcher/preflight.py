@@ -22,8 +22,8 @@ def parameters(cfg: RunConfig) -> int:
 
 
 def check_device(cfg: RunConfig, where: str) -> None:
-    """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a
-    CPU, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
+    """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a CPU
+    without AVX512-FP16, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
     device's memory. The accelerator is asked, not guessed from names."""
     import torch
     from deepspeed.accelerator import get_accelerator

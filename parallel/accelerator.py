@@ -66,7 +66,7 @@ def keep_freed_host_memory(kept: int = HOST_MEMORY_KEPT) -> bool:
     operating system beyond a trim threshold (and serves blocks above its mmap threshold by
     mmap, freed by munmap), so the next step faults those pages in again and the kernel zeroes
     them: 14,000–23,000 minor page faults per step of 100L-100L d=64 at 32 × (32 + 32) tokens,
-    4–11% of its CPU time (steps alternated in one process, docs/bench/host-malloc/). Fixing
+    4–11% of its CPU time (steps alternated in one process, docs/bench/host-malloc.md). Fixing
     M_TRIM_THRESHOLD and M_MMAP_THRESHOLD at `kept` (glibc's own tunables, through mallopt)
     leaves 0–150. The
     peak RSS (the high-water mark) does not change; between steps RSS stays near it.

@@ -29,7 +29,7 @@ DEVICES: dict[str, dict] = {
 # that type ran `./run.sh bench train` (bench/gpu.py: bf16, 4,096-target-token
 # micro-batches), one entry per model width measured; a model takes the entry of the nearest
 # width. The H100 figures are small because these shapes are host-bound there: the GPU waited
-# for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/profile-*.txt).
+# for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/report.md).
 # Other types keep the common assumption until measured. (d_model, efficiency, source)
 _ASSUMED = [(0, 0.35, "assumed (no measurement on this GPU type)")]
 _H100_BENCH = "docs/bench/gpu-h100/results.json"

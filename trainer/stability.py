@@ -1,7 +1,7 @@
 """Stability instruments of a training run, on any pipeline × tensor × data layout.
 
 Every `train.instrument_interval` steps (0 = off, nothing installed) the trainer records:
-  * ‖ΔF‖ on a fixed probe batch (the first dev batch), relative to the model at step 0,
+  * ‖ΔF‖ on a fixed probe batch (the middle dev batch), relative to the model at step 0,
   * the gradient norm of every encoder/decoder layer in that step,
   * the mean size of the residual LayerNorm inputs of every layer on the probe batch.
 Definitions are in model/instruments.py. Each stage measures its own layers; the stage holding

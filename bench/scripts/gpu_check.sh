@@ -2,7 +2,7 @@
 # How the files of this folder were made: on an offline machine with one H100 whose python
 # (3.12, torch 2.11 CUDA 13) lacked deepspeed, megatron-core and the data packages, which were
 # brought as wheels in ../.whl (deepspeed 0.19.8 is an sdist: built with its ops left to JIT).
-# Usage: docs/bench/gpu-h100/device-run.sh OUT_DIR [PARTS]   (from the repository root)
+# Usage: bench/scripts/gpu_check.sh OUT_DIR [PARTS]   (from the repository root)
 # PARTS: any of ceiling,test,bench,profile (default: ceiling,test,bench)
 set -uo pipefail
 OUT=${1:?output folder}

@@ -1,6 +1,6 @@
 """Freed host memory kept for reuse against glibc trimming it, steps alternated in one process.
 
-    SHAPE=tiny-100-100 N=10 .venv/bin/python docs/bench/host-malloc/paired_steps.py
+    SHAPE=tiny-100-100 N=10 .venv/bin/python -m bench.scripts.paired_steps
 
 The plain model of configs/SHAPE.yaml, 32 × (32 + 32) tokens, fp32, 1 thread, the step of
 `./run.sh bench model` (forward, loss, backward, clipping, fused AdamW). Each of N rounds runs

@@ -1,6 +1,6 @@
 """Every order of F, B and W on the last of 2 stages, against the memory it holds.
 
-    .venv/bin/python docs/bench/zero-bubble-orders/search.py
+    .venv/bin/python -m bench.scripts.zb_order_search
 
 The first stage runs 1F1B's order (its W inside B, as ZB-H1's first stage does); for the last
 stage every order of m forwards, input-gradient passes and weight passes that respects F_j < B_j
@@ -13,7 +13,7 @@ import sys
 
 from parallel.zb_timeline import fixed, one_f_one_b_order, simulate
 
-COSTS = {  # CPU seconds per micro-batch, last stage (README, Zero-bubble schedule)
+COSTS = {  # CPU seconds per micro-batch, last stage (docs/pipeline.md, zero-bubble schedule)
     "default model (6L-6L d=128)": {"F": 0.077, "B": 0.082, "W": 0.043},
     "base-6-6 (6L-6L d=512)": {"F": 0.70, "B": 0.68, "W": 0.57},
 }
