@@ -234,9 +234,9 @@ def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
     outputs = [spm_model_path(out_dir), os.path.splitext(spm_model_path(out_dir))[0] + ".vocab"]
     outputs += [split_prefix(out_dir, split) + ".shards.json" for split in SPLITS]
     outputs += [os.path.join(out_dir, f"validation_report.{ext}") for ext in ("json", "tsv")]
-    for path in outputs:  # a preparation of another state
-        if os.path.exists(path):
-            os.remove(path)
+    for output in outputs:  # a preparation of another state
+        if os.path.exists(output):
+            os.remove(output)
     os.makedirs(work)
     _write_json(path, state)
     return work
