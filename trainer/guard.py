@@ -7,6 +7,10 @@ before any weight changes, on every rank together: one all-reduce of (loss share
 over all ranks, so every stage and replica skips or applies the same update.
 
 Where the decision hooks in (DeepSpeed 0.19.8):
+  the trainer's FlatOptimizer (parallel/optimizer.py, every precision): its `step_gate`, called once
+      per step after the global norm and before the update; True skips it. In fp16 a loss-scale
+      overflow (non-finite scaled norm) is the scaler's own skip, not a divergence: the gate then
+      checks the loss only, and `after_step` reports no event for it unless the loss is bad.
   ZeRO 1/2 (`DeepSpeedZeroOptimizer.step`): after `scaled_global_norm()` returns the global norm; a
       bad step sets `overflow`, and ZeRO's own overflow path clears the gradients and returns
       before the update (with fp32 it already treats a non-finite norm so; with bf16 it would not).
@@ -86,7 +90,9 @@ class DivergenceGuard:
         return reason is not None
 
     def _install(self, opt) -> None:
-        if hasattr(opt, "scaled_global_norm"):  # ZeRO stage 1/2
+        if hasattr(opt, "step_gate"):  # parallel/optimizer.py's FlatOptimizer
+            opt.step_gate = self.decide
+        elif hasattr(opt, "scaled_global_norm"):  # ZeRO stage 1/2
             original = opt.scaled_global_norm
 
             def scaled_global_norm(*args, **kwargs):
@@ -137,6 +143,8 @@ class DivergenceGuard:
                 return None
             decided = {"loss": float("nan"), "grad_norm": None, "reason": None}
         reason = decided["reason"]
+        if reason is None and getattr(self.engine.optimizer, "loss_scale_overflow", False):
+            return None  # fp16's loss scaler skipped the step and lowered the scale
         if reason is None and overflow:
             reason = "gradient norm is not finite"
         if reason is None:
