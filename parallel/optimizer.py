@@ -67,12 +67,20 @@ class FlatOptimizer(BF16_Optimizer):
     enabled = True
     """False: engines built from now on keep DeepSpeed's own optimizers (the A/B runs of the tests)."""
 
+    fold_fp32: bool | None = None
+    """fp32 gradients folded like bf16's after each backward (stolen, then one foreach add)
+    instead of accumulated by autograd into the buffer's views (one add per tensor per backward).
+    None: folded when the engine runs only DeepSpeed's pipeline instructions, where every gradient
+    is made inside a backward pass; an engine with instructions of its own (parallel/zero_bubble.py's
+    WeightPass writes deferred weight gradients into `.grad` after the step's last fold) gets the
+    views."""
+
     step_gate = None
     """Set by the divergence guard: called as step_gate(norm or None) once per step on every rank;
     True skips the update."""
 
     def __init__(self, init_optimizer, param_names, *, dtype: torch.dtype, mpu, clip_grad: float,
-                 partition_group, allgather_bucket_size: int, loss_scaler=None):
+                 partition_group, allgather_bucket_size: int, loss_scaler=None, fold: bool = True):
         # BF16_Optimizer asserts bf16 is enabled in its config; it reads nothing else from it here.
         config = SimpleNamespace(enabled=True, immediate_grad_update=False)
         super().__init__(init_optimizer, param_names, bfloat16_config=config, mpu=mpu, clip_grad=clip_grad,
@@ -82,9 +90,9 @@ class FlatOptimizer(BF16_Optimizer):
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = bool(loss_scaler is not None and loss_scaler.dynamic)
         self.loss_scale_overflow = False  # the last step was skipped by fp16's loss scaling
-        self._direct = dtype == torch.float32  # .grad is the fp32 buffer's view (no fold)
+        self._direct = dtype == torch.float32 and not fold  # .grad is the buffer's view
         self._shared_master = False
-        if self._direct:
+        if dtype == torch.float32:
             self._share_master()
         self._views = [[g.view(p.shape) for p, g in zip(params, grads)]
                        for params, grads in zip(self.bf16_groups, self.fp32_groups_gradients)]
@@ -128,7 +136,10 @@ class FlatOptimizer(BF16_Optimizer):
         for i, params in enumerate(self.bf16_groups):
             grads = list(map(_grad, params))
             if not any(map(_is_none, grads)):
-                self.fp32_groups_actual_gradients_flat[i].add_(_flatten_dense_tensors(grads))
+                if grads[0].dtype == torch.float32:  # one dtype: foreach's fast path, no copy
+                    torch._foreach_add_(self._views[i], grads)
+                else:
+                    self.fp32_groups_actual_gradients_flat[i].add_(_flatten_dense_tensors(grads))
                 self._folded = True
             elif not all(map(_is_none, grads)):  # a parameter without gradient: DeepSpeed skips it
                 self._partial = True
@@ -258,9 +269,10 @@ class FlatOptimizer(BF16_Optimizer):
 
     @torch.no_grad()
     def update_lp_params(self):
-        if not self._shared_master:  # rounded to bf16/fp16; in fp32 the master is the weights
-            for i, (partitions, master) in enumerate(zip(self.bf16_partitioned_groups, self.fp32_groups_flat_partition)):
-                partitions[dist.get_rank(group=self.real_dp_process_group[i])].data.copy_(master.data)
+        for i, (partitions, master) in enumerate(zip(self.bf16_partitioned_groups, self.fp32_groups_flat_partition)):
+            mine = partitions[dist.get_rank(group=self.real_dp_process_group[i])]
+            if master.data_ptr() != mine.data_ptr():  # rounded to bf16/fp16; fp32's master is the weights
+                mine.data.copy_(master.data)
         all_gather_dp_groups(groups_flat=self.bf16_groups_flat, partitioned_param_groups=self.bf16_partitioned_groups,
                              dp_process_group=self.real_dp_process_group,
                              start_alignment_factor=self.nccl_start_alignment_factor,
@@ -313,9 +325,14 @@ def build(engine, client_optimizer) -> FlatOptimizer:
         scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=engine.loss_scale(),
                                   dynamic_scaling=engine.dynamic_loss_scale(),
                                   dynamic_loss_args=engine.dynamic_loss_scale_args())
+    fold = FlatOptimizer.fold_fp32
+    if fold is None:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        fold = set(getattr(type(engine), "_INSTRUCTION_MAP", {})) <= set(PipelineEngine._INSTRUCTION_MAP)
     return FlatOptimizer(client_optimizer, engine.param_names, dtype=dtype, mpu=engine.mpu,
                          clip_grad=engine.gradient_clipping(), partition_group=group,
-                         allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler)
+                         allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler, fold=fold)
 
 
 def applies(engine, client_optimizer) -> bool:
