@@ -1,7 +1,8 @@
 """bf16 training of the real trainer at pp=2 on CPU, against a single-process bf16 reference.
 
-The reference follows DeepSpeed 0.19.8's BF16_Optimizer (runtime/bf16_optimizer.py), which the
-trainer uses for bf16 (parallel/engine.py sets grad_accum_dtype fp32):
+The reference follows DeepSpeed 0.19.8's BF16_Optimizer (runtime/bf16_optimizer.py), whose rules
+the trainer's optimizer keeps (parallel/optimizer.py's FlatOptimizer, a BF16_Optimizer equal to it
+bit for bit: tests/test_flat_optimizer.py):
   - weights are bf16; the fp32 master copy is made from them (so it starts at bf16 values);
   - per micro-batch: bf16 gradients are cleared, backward runs in bf16, and each gradient is
     added, converted to fp32, into an fp32 accumulator (`_update_hp_grad`);
@@ -112,9 +113,11 @@ def bf16_run(tiny_data, tmp_path_factory):
     return result, bf16_reference_run(load_config(config), STEPS), config
 
 
-def test_bf16_trains_with_deepspeeds_bf16_optimizer(bf16_run):
+def test_bf16_trains_with_the_flat_bf16_optimizer(bf16_run):
     result, _, _ = bf16_run
-    assert result["short"]["optimizer"] == "BF16_Optimizer"
+    # FlatOptimizer is DeepSpeed's BF16_Optimizer with its per-tensor work folded into flat
+    # operations; its equality with DeepSpeed's own is tests/test_flat_optimizer.py's.
+    assert result["short"]["optimizer"] == "FlatOptimizer"
     shapes = result["short"]["shapes"]
     assert len({tuple(map(tuple, micro)) for step in shapes for micro in step}) > 3  # lengths change
 

@@ -1,13 +1,15 @@
-"""The trainer's engine (parallel/ds_engine.py) without ZeRO gives the single process's numbers.
+"""The trainer's engine without ZeRO (parallel.zero_stage: 0) gives the single-process numbers.
 
-TrainerEngine replaces DeepSpeed's gradient all-reduce (at one replica), global-norm clipping and
-zero_grad on the fp32 path without ZeRO (parallel.zero_stage: 0), the fast choice with one
-replica. Three launches on the real deepspeed launcher with ZeRO stage 0, every step clipped:
-pp = 1 on one rank (the overrides' own path), pp = 1 with two replicas (DeepSpeed's all-reduce, the
-norm averaged over the replicas) and pp = 2 (the norm summed over the stages with the tied
-embedding counted once, where DeepSpeed's own clipping counts only the first stage). Losses,
-clipped norms and parameters equal the single-process reference; a run resumed from a checkpoint
-reproduces the uninterrupted losses.
+At ZeRO stage 0, parallel/optimizer.py's FlatOptimizer keeps its master weights and Adam moments
+whole on every replica (a partition count of 1: each replica steps every weight and gathers
+nothing), and the engine's reduction, global-norm clipping and zero_grad are the optimizer's.
+Three launches on the real deepspeed launcher with ZeRO stage 0, every step clipped: pp = 1 on
+one rank, pp = 1 with two replicas (the gradients all-reduced, each replica's partition group a
+group of one) and pp = 2 (the norm summed over the stages with the tied embedding counted once,
+where DeepSpeed's own clipping without ZeRO counts only the first stage). Losses, clipped norms
+and parameters equal the single-process reference; a run resumed from a checkpoint (the optimizer
+state kept in the model-states file, as DeepSpeed does without ZeRO) reproduces the uninterrupted
+losses.
 """
 import pytest
 

@@ -11,11 +11,11 @@ dropout:  dropout 0.1 everywhere and checkpointing every layer, trained (paramet
           `--out`.dropout.stage<s>.tp<t>.pt) and resumed as 'plain'; the same run without
           checkpointing as dropout_no_checkpointing.
 zero1_deepspeed: the plain run (uninterrupted) with DeepSpeed's ZeRO-1 optimizer as DeepSpeed
-          ships it, not parallel/ds_engine.py's LeanZeroOptimizer; parameters written to
+          ships it, not parallel/optimizer.py's FlatOptimizer; parameters written to
           `--out`.deepspeed.stage<s>.tp<t>.pt.
-zero1_fallback: the plain run (uninterrupted) where, after the second step, every ZeRO-1 master
-          partition is re-bound to a copy of itself: LeanZeroOptimizer must notice and finish
-          on DeepSpeed's own paths.
+zero1_fallback: the plain run (uninterrupted) where, after the second step, every fp32 master
+          partition (the weights' own memory in FlatOptimizer) is re-bound to a copy of itself:
+          the optimizer must notice and copy the updated master back into the weights.
 partitions: the trainer's pipeline module (parallel/pipeline.py TranslationPipe) built on this
           launch's topology for several model shapes; their stage bounds.
 Rank 0 writes everything to `--out` (JSON) for the test to compare with a single-process run.
@@ -88,13 +88,13 @@ def main() -> None:
         no_ckpt = with_dropout(cfg, "dropout-no-ac", checkpoint_interval=0)
         results["dropout_no_checkpointing"] = record_steps(Trainer(no_ckpt, max_steps=args.steps), args.steps)
     if "zero1_deepspeed" in scenarios:
-        from parallel.ds_engine import LeanZeroOptimizer
+        from parallel.optimizer import FlatOptimizer
 
-        LeanZeroOptimizer.enabled = False
+        FlatOptimizer.enabled = False
         try:
             shipped = Trainer(variant(cfg, "zero1-deepspeed"), max_steps=args.steps)
         finally:
-            LeanZeroOptimizer.enabled = True
+            FlatOptimizer.enabled = True
         assert type(shipped.engine.optimizer).__name__ == "DeepSpeedZeroOptimizer"
         results["zero1_deepspeed"] = record_steps(shipped, args.steps)
         dump_params(shipped, f"{args.out}.deepspeed")
@@ -102,12 +102,13 @@ def main() -> None:
         trainer = Trainer(variant(cfg, "zero1-fallback"), max_steps=args.steps)
         opt = trainer.engine.optimizer
         first = record_steps(trainer, 2)
-        for master in opt.single_partition_of_fp32_groups:
+        for master in opt.fp32_groups_flat_partition:
             master.data = master.data.clone()
         rest = record_steps(trainer, args.steps)
+        weights = [flat.data_ptr() for flat in opt.bf16_groups_flat]
         results["zero1_fallback"] = {"loss": first["loss"] + rest["loss"],
                                      "grad_norm": first["grad_norm"] + rest["grad_norm"],
-                                     "lean_after": bool(opt._lean)}
+                                     "shared_after": any(m.data_ptr() in weights for m in opt.fp32_groups_flat_partition)}
     if "partitions" in scenarios:
         results["partitions"] = partitions()
     write_result(args.out, results)
