@@ -6,7 +6,10 @@
 # The first call creates .venv from requirements.txt; later calls update it when that file changes.
 # DEEPNET_VENV=DIR uses another environment; DEEPNET_NO_INSTALL=1 uses it as it is (no pip: offline
 # GPU machines whose python already has the packages, e.g. DEEPNET_VENV=$(python3 -c 'import sys;print(sys.prefix)')).
+# Commands run from the repository root (relative paths inside a config point there); paths on the
+# command line are the caller's: DEEPNET_CALLER_CWD tells the commands where it was called from.
 set -euo pipefail
+CALLER_CWD=$(pwd)
 cd "$(dirname "$0")"
 ROOT=$(pwd)
 VENV=${DEEPNET_VENV:-$ROOT/.venv}
@@ -43,6 +46,15 @@ cmd=${1:-help}
 case "$cmd" in
   test)
     if [ $# -eq 0 ]; then set -- tests; fi
+    # Test files and node ids given from another folder are the caller's.
+    args=()
+    for arg in "$@"; do
+      if [[ "$arg" != -* && "$arg" != /* && -e "$CALLER_CWD/${arg%%::*}" && ! -e "$ROOT/${arg%%::*}" ]]; then
+        arg="$CALLER_CWD/$arg"
+      fi
+      args+=("$arg")
+    done
+    set -- "${args[@]}"
     # A private temporary root: concurrent pytest sessions of the same user otherwise prune each
     # other's numbered folders (pytest keeps the newest three) while tests still use them.
     exec "$VENV/bin/python" -m pytest -q --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
@@ -59,6 +71,6 @@ case "$cmd" in
     exec "$VENV/bin/python" -m launcher.cli --help
     ;;
   *)
-    exec "$VENV/bin/python" -m launcher.cli "$cmd" "$@"
+    DEEPNET_CALLER_CWD=$CALLER_CWD exec "$VENV/bin/python" -m launcher.cli "$cmd" "$@"
     ;;
 esac

@@ -1,6 +1,7 @@
 """The commands behind ./run.sh. Each command is a module in launcher/commands/ that defines
 `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`; they are discovered, so adding
-a command touches no other file."""
+a command touches no other file. Commands run from the repository root; paths given on the command
+line are resolved from the caller's folder (launcher/options.py)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ import sys
 
 import launcher.commands
 from data.errors import DataError
+from launcher.options import enter_root
 from trainer.config import ConfigError
 
 
@@ -20,6 +22,7 @@ def commands() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    enter_root()
     parser = argparse.ArgumentParser(prog="run.sh", description="deepnet-trainer")
     sub = parser.add_subparsers(dest="command", required=True)
     table = commands()

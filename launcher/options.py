@@ -1,7 +1,60 @@
-"""Command-line options shared by the commands that decode (`translate`, `eval`)."""
+"""Command-line options shared by several commands: paths as the caller means them, `--set`
+overrides of a config, and the decoding options of `translate` and `eval`.
+
+Paths on the command line are the caller's: ./run.sh changes to the repository root (where the
+relative paths inside a config point, docs/configuration.md) and passes the folder it was called
+from in DEEPNET_CALLER_CWD; `enter_root` takes it, and `user_path` resolves against it."""
 from __future__ import annotations
 
 import argparse
+import os
+
+from launcher.launch import ROOT
+
+CALLER_CWD_ENV = "DEEPNET_CALLER_CWD"
+_caller_cwd: str | None = None
+
+
+def enter_root() -> None:
+    """Remember the caller's working directory (DEEPNET_CALLER_CWD from ./run.sh, else this
+    process's) and work from the repository root, as every rank does."""
+    global _caller_cwd
+    _caller_cwd = os.environ.pop(CALLER_CWD_ENV, None) or os.getcwd()
+    os.chdir(ROOT)
+
+
+def caller_cwd() -> str:
+    return _caller_cwd or os.getcwd()
+
+
+def user_path(text: str) -> str:
+    """A path given on the command line as its caller means it: `~` expanded, a relative one taken
+    from the caller's working directory (the shell has already expanded an unquoted ~ and $VAR)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder")
+    return os.path.normpath(os.path.join(caller_cwd(), os.path.expanduser(text)))
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """The config a command reads (positional; optional when there is a default), --run-dir and
+    --set, shared by train, prepare and slurm."""
+    if default is None:
+        parser.add_argument("config", type=user_path, help="YAML run config")
+    else:
+        parser.add_argument("config", nargs="?", default=default, type=user_path,
+                            help=f"YAML run config (default {os.path.relpath(default, ROOT)})")
+    parser.add_argument("--run-dir", type=user_path, help="override run_dir of the config")
+    add_set_argument(parser)
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                        help="change one key of the config, e.g. --set train.max_steps=400 (repeatable; "
+                             "typed and checked like the YAML file; config.json records the result)")
+
+
+def run_dir_override(args: argparse.Namespace) -> dict | None:
+    return {"run_dir": args.run_dir} if getattr(args, "run_dir", None) else None
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """Checks of the machine and the run directory before any rank starts: the accelerator can train
 the config (precision, memory), the run directory is writable, and an existing run directory is
-resumed with the model and layout it was trained with. (`trainer/config.py` checks the config
-itself.)"""
+resumed with the model and layout it was trained with, and a finished run is recognised without
+starting a rank. (`trainer/config.py` checks the config itself.)"""
 from __future__ import annotations
 
 import os
@@ -115,3 +115,25 @@ def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
                           f"run's checkpoints (file names, sizes or modification times differ); preparing it again "
                           f"would give them another tokenizer: restore the files (copies keep their times with "
                           f"cp -p or rsync -a), or use a new run_dir")
+
+
+def finished_step(cfg: RunConfig) -> int | None:
+    """The step of the run directory's newest committed checkpoint when it is at or past
+    train.max_steps (a finished run: nothing to train), else None. Its files must all be there with
+    the sizes its manifest records; the ranks check the hashes when they resume, and a damaged newest
+    checkpoint (set aside by them, an older one resumed) is no finished run."""
+    from parallel import manifest
+
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    for tag in manifest.committed_tags(ckpt_dir)[:1]:
+        tag_dir = os.path.join(ckpt_dir, tag)
+        record = manifest.read(tag_dir)
+        if record is None:
+            return None
+        for name, entry in record["files"].items():
+            path = os.path.join(tag_dir, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != int(entry.get("size", -1)):
+                return None
+        step = int(record.get("step", tag[len("step"):]))
+        return step if step >= cfg.train.max_steps else None
+    return None

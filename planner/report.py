@@ -57,3 +57,56 @@ def table(plans: list, dev: Device, budget: tuple[str, float] | None) -> list[st
             row += f" {seconds / 86400:.1f} |"
         lines.append(row)
     return lines
+
+
+def config_layout(parallel, train, max_tokens: int, seq_len: int, precision: str):
+    """The layout a run config trains with (its parallel: section, train.micro_batches and
+    data.max_tokens) as a planner Candidate of sentences of `seq_len` tokens on each side:
+    data.max_tokens bounds batch size × the longer side, so a micro-batch holds
+    max_tokens // seq_len sentence pairs."""
+    from planner.planner import Candidate
+
+    return Candidate(pp=parallel.pipeline_stages, tp=parallel.tensor_parallel, dp=parallel.data_parallel,
+                     micro_batches=train.micro_batches, sequences=max(1, max_tokens // seq_len), src_len=seq_len,
+                     tgt_len=seq_len, checkpoint=parallel.activation_checkpoint_interval, precision=precision,
+                     schedule=parallel.schedule,
+                     zb_max_pending=None if parallel.zb_pending_w < 0 else parallel.zb_pending_w,
+                     zero=parallel.zero_stage)
+
+
+def own_row(own, best, dev: Device, budget: tuple[str, float] | None, gpus: int, note: str = "") -> list[str]:
+    """The config's own layout as a row of the same table, and how it compares with the best."""
+    head, rule, row = table([own], dev, budget)
+    lines = ["The config's own layout" + (f" ({note})" if note else "") + ":", "", head, rule,
+             row.replace("| ", "| config: ", 1)]
+    usable = dev.usable_bytes()
+    if own.peak_bytes > usable:
+        lines.append(f"- It does not fit: its heaviest stage needs {own.peak_bytes / 2**30:.1f} GiB of "
+                     f"{usable / 2**30:.1f} usable per GPU.")
+    if own.layout.world != gpus:
+        lines.append(f"- It uses {own.layout.world} GPUs, not the {gpus} planned for.")
+    if best is not None and own.peak_bytes <= usable:
+        lines.append(f"- The best layout above reaches {best.tokens_per_s / own.tokens_per_s - 1:+.1%} throughput "
+                     "against it.")
+    return lines
+
+
+def config_snippet(best, dev: Device) -> list[str]:
+    """The best layout as the config keys that give it, ready to paste, and as --set flags."""
+    lay = best.layout
+    values = {"parallel": {"pipeline_stages": lay.pp, "tensor_parallel": lay.tp, "data_parallel": lay.dp,
+                           "activation_checkpoint_interval": lay.checkpoint, "precision": lay.precision},
+              "data": {"max_tokens": lay.sequences * max(lay.src_len, lay.tgt_len)},
+              "train": {"micro_batches": lay.micro_batches}}
+    if lay.schedule != "1f1b":
+        values["parallel"]["schedule"] = lay.schedule
+    nodes = max(1, lay.world // dev.gpus_per_node)
+    per_node = lay.world // nodes
+    text = [f"{section}:" + "".join(f"\n  {key}: {value}" for key, value in keys.items())
+            for section, keys in values.items()]
+    flags = " ".join(f"--set {section}.{key}={value}" for section, keys in values.items() for key, value in keys.items())
+    return ["The best layout as config keys (replace these in the config's sections):", "", "```yaml",
+            *"\n".join(text).splitlines(), "```", "",
+            f"or on the command line: {flags}",
+            f"(a SLURM job of {nodes} node(s) × {per_node} GPUs: ./run.sh slurm CONFIG --nodes {nodes} "
+            f"--gpus-per-node {per_node})"]

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import os
+import re
 import stat
+import typing
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 import yaml
 
-from data.config import DataConfig
+from data.config import GETTEXT_PREFIX, DataConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
-from schema.fields import ConfigError, NonNegative, Positive, Rule, from_dict
+from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, field_checks, from_dict
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
@@ -138,27 +141,150 @@ def read_yaml(path: str) -> dict:
     return values
 
 
-def load_config(path: str, overrides: dict | None = None, cluster: str | None = None) -> RunConfig:
-    """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. from tests);
-    `cluster` selects one of the config's `clusters:` layouts. Every layout is validated."""
+# ---- command-line overrides: --set KEY=VALUE ---------------------------------------------------
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """`a.b.c=VALUE` → ("a.b.c", VALUE read as YAML reads a value: 400 an integer, 5e-4 and 1.5 numbers,
+    true a boolean, [de, fr] a list, anything else a string; nothing after `=` is no value)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or not all(part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"--set {item}: give KEY=VALUE with a dotted key, e.g. --set train.max_steps=400")
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else None  # noqa: S506 (a SafeLoader)
+    except (yaml.YAMLError, ConfigError):
+        raise ConfigError(f"--set {item}: the value is not valid YAML; quote it, e.g. --set '{key}=\"...\"'") from None
+    return key, value
+
+
+def _set_annotation(key: str):
+    """The annotation of the field `key` names (None inside a free-form mapping such as clusters:,
+    which from_dict checks); ConfigError for a key the config does not have or a whole section."""
+    cls, parts = RunConfig, key.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(cls, include_extras=True)
+        here = ".".join(parts[:i + 1])
+        if part not in hints:
+            section = f" of {'.'.join(parts[:i])}" if i else ""
+            close = difflib.get_close_matches(part, list(hints), n=1)
+            hint = f" (did you mean {'.'.join([*parts[:i], close[0]])}?)" if close else ""
+            raise ConfigError(f"--set {key}: unknown key {here}{hint}; the keys{section} are {', '.join(hints)}")
+        annotation = hints[part]
+        if dataclasses.is_dataclass(annotation):
+            if i == len(parts) - 1:
+                first = dataclasses.fields(annotation)[0].name
+                raise ConfigError(f"--set {key}: {here} is a section; set one of its keys, "
+                                  f"e.g. --set {here}.{first}=VALUE")
+            cls = annotation
+            continue
+        if i < len(parts) - 1:
+            base = field_checks(annotation)[0]
+            if base is dict or typing.get_origin(base) is dict:
+                return None
+            raise ConfigError(f"--set {key}: {here} is a single value, not a section; use --set {here}=VALUE")
+        return annotation
+    return None
+
+
+def apply_sets(values: dict, sets: list[str]) -> dict:
+    """The raw config mapping `values` with every `--set KEY=VALUE` of `sets` applied (later ones
+    win). Each value is checked against its field's annotation by the same code as the YAML file
+    (schema/fields.py), so an unknown key or a value of the wrong type or range is a ConfigError that
+    names `--set KEY`; rules across keys are checked when the whole config is built."""
+    for item in sets:
+        key, value = parse_set(item)
+        annotation = _set_annotation(key)
+        if value is None:
+            raise ConfigError(f"--set {key}: no value after '='; give one, e.g. --set {key}=VALUE")
+        if annotation is not None:
+            try:
+                coerce(annotation, expand_path(value, key) if key in PATH_KEYS else value, key)
+            except ConfigError as e:
+                raise ConfigError(f"--set {e}") from None
+        *sections, name = key.split(".")
+        node = values
+        for i, part in enumerate(sections):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {'.'.join(sections[:i + 1])} in the config is not a mapping "
+                                  f"({child!r}); fix the file first")
+            node = child
+        node[name] = value
+    return values
+
+
+# ---- paths -------------------------------------------------------------------------------------
+
+PATH_KEYS = ("run_dir", "data.corpus")
+"""The keys that name files or folders: `~` and `$VARS` expand in them (`expand_path`). A relative
+path is relative to the repository's root, where ./run.sh and every rank run (docs/configuration.md)."""
+_UNSET_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
+
+
+def expand_path(value, key: str):
+    """`value` with `~`, `~user`, `$VAR` and `${VAR}` expanded (after `gettext:` in data.corpus);
+    ConfigError naming `key` for a variable that is not set or a user that does not exist. Values
+    that are not strings are left to the type check."""
+    if not isinstance(value, str):
+        return value
+    prefix = GETTEXT_PREFIX if key == "data.corpus" and value.startswith(GETTEXT_PREFIX) else ""
+    path = os.path.expandvars(os.path.expanduser(value[len(prefix):]))
+    if path.startswith("~"):
+        raise ConfigError(f"{key}={value!r}: {path.split(os.sep)[0]} names no user's home folder; "
+                          "write the path out")
+    unset = _UNSET_VARIABLE.search(path)
+    if unset:
+        raise ConfigError(f"{key}={value!r}: the environment variable {unset.group(1).strip('{}')} is not set; "
+                          "set it, or write the path out")
+    return prefix + path
+
+
+def _expand_paths(values: dict, where: str) -> None:
+    for key in PATH_KEYS:
+        *sections, name = key.split(".")
+        node = values
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and name in node:
+            try:
+                node[name] = expand_path(node[name], key)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str, overrides: dict | None = None, cluster: str | None = None,
+                sets: list[str] | None = None) -> RunConfig:
+    """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. --run-dir, tests);
+    `sets` are `--set KEY=VALUE` items applied after it (`apply_sets`; they also win over a
+    cluster's layout); `cluster` selects one of the config's `clusters:` layouts. `~` and `$VARS`
+    expand in the path keys (PATH_KEYS). Every layout is validated."""
     values = read_yaml(path)
     for section, items in (overrides or {}).items():
         if isinstance(items, dict) and isinstance(values.get(section), dict):
             values[section].update(items)
         else:
             values[section] = items
-    cfg = from_dict(RunConfig, values, path)
-    validate(cfg, path)
+    sets = list(sets or [])
+    apply_sets(values, sets)
+    where = f"{path} with --set {' '.join(sets)}" if sets else path
+    _expand_paths(values, where)
+    cfg = from_dict(RunConfig, values, where)
+    validate(cfg, where)
     for name, layout in cfg.clusters.items():
-        where = f"{path}: clusters.{name}"
-        laid_out = from_dict(RunConfig, with_cluster(values, name, where), where)
-        validate(laid_out, where)
+        at = f"{where}: clusters.{name}"
+        laid_out = from_dict(RunConfig, with_cluster(values, name, at), at)
+        validate(laid_out, at)
         if layout.nodes * layout.gpus_per_node != laid_out.world_size:
-            raise ConfigError(f"{where}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
+            raise ConfigError(f"{at}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
                               f"must equal pipeline_stages × tensor_parallel × data_parallel = "
                               f"{laid_out.world_size}")
     if cluster is not None:
-        cfg = from_dict(RunConfig, with_cluster(values, cluster, path), path)
+        laid_out = apply_sets(with_cluster(values, cluster, where), sets)
+        _expand_paths(laid_out, where)
+        cfg = from_dict(RunConfig, laid_out, where)
+        validate(cfg, f"{where} with clusters.{cluster}")
     return cfg
 
 

@@ -72,3 +72,63 @@ def rewind(engine, step: int) -> None:
         log_dir = tb.summary_writer.get_logdir()
         tb.summary_writer.close()
         tb.summary_writer = SummaryWriter(log_dir=log_dir, purge_step=step + 1)
+
+
+# ---- events from a process without an engine (./run.sh train after its ranks ended) -----------
+
+CSV_DIR = os.path.join("metrics", "train")  # where DeepSpeed's CSV monitor writes (parallel/engine.py)
+TENSORBOARD_DIR = os.path.join("tensorboard", "train")
+
+
+def _append_csv(path: str, header: str, step: int, value: float) -> None:
+    """A row `step,value` in one of the monitor's CSV files (a new file gets its header; a row of
+    the same step is replaced, so an evaluation repeated at a step is there once)."""
+    rows: list[list[str]] = []
+    if os.path.exists(path):
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [row for row in csv.reader(f) if row]
+    if not rows or rows[0][0] != "step":
+        rows.insert(0, ["step", header])
+    rows = [rows[0]] + [row for row in rows[1:] if row[0] != str(step)] + [[str(step), repr(float(value))]]
+    out = io.StringIO()
+    csv.writer(out).writerows(rows)
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
+        f.write(out.getvalue())
+    os.replace(tmp, path)
+
+
+def record(run_dir: str, events: list[tuple[str, float, int]], tensorboard_only: list = ()) -> None:
+    """Write (tag, value, step) events into the run's metrics as DeepSpeed's monitors name them:
+    `metrics/train/<tag, / as _>.csv` with the header `step,<last part of tag>`, and scalars in
+    `tensorboard/train`; `tensorboard_only` events go to TensorBoard alone."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    os.makedirs(os.path.join(run_dir, CSV_DIR), exist_ok=True)
+    for tag, value, step in events:
+        name = tag.replace("/", "_").replace(" ", "_")
+        _append_csv(os.path.join(run_dir, CSV_DIR, name + ".csv"), tag.split("/")[-1], step, value)
+    writer = SummaryWriter(log_dir=os.path.join(run_dir, TENSORBOARD_DIR))
+    try:
+        for tag, value, step in [*events, *tensorboard_only]:
+            writer.add_scalar(tag, value, step)
+    finally:
+        writer.close()
+
+
+def score_events(rows: list[dict], step: int) -> tuple[list, list]:
+    """Events of an evaluation table (translate/evaluate.py's rows: direction, sentences and a
+    column per metric): (the all-direction means as `eval/<metric>`, each direction and the X→En /
+    En→X means as `eval/<metric>/<direction>`)."""
+    means, each = [], []
+    names = {"all average": None, "X→En average": "xx-en", "En→X average": "en-xx"}
+    for row in rows:
+        direction = names.get(row["direction"], row["direction"])
+        for metric, value in row.items():
+            if metric in ("direction", "sentences") or not isinstance(value, (int, float)):
+                continue
+            if direction is None:
+                means.append((f"eval/{metric}", float(value), step))
+            else:
+                each.append((f"eval/{metric}/{direction}", float(value), step))
+    return means, each

@@ -24,6 +24,7 @@ from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer, log0
 from trainer.config import RunConfig
 from trainer.guard import DivergenceGuard, DivergenceStop
+from trainer.progress import LOG_NAME, Progress, append_log
 from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
@@ -175,43 +176,54 @@ class Trainer:
         return float(loss)
 
     def run(self) -> dict:
+        """Train to max_steps: progress lines every log_interval (trainer/progress.py: console and
+        train.log), validation every valid_interval (and at step 0), checkpoints every
+        save_interval and at the end; then the summary."""
         cfg = self.cfg.train
         monitor = self.engine.monitor
-        if self.step == 0:
-            v = self.validate()
-            self.history["valid"].append((0, v))
-            log0(f"step 0 | valid loss {v:.4f}")
-        if self.step >= self.max_steps:
-            log0(f"run already at step {self.step} = train.max_steps; raise train.max_steps to continue")
-        window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
-        self.started = t0
-        while self.step < self.max_steps:
-            out = self.train_step()
-            if out["divergence"] and self.on_divergence(out["divergence"]):
-                window_tokens, window_time = 0, 0.0
-                continue  # rolled back: the step counter is the checkpoint's again
-            window_tokens += out["tokens"]
-            window_time += out["seconds"]
-            if self.step % cfg.log_interval == 0 or self.step == self.max_steps:
-                tps = window_tokens / max(window_time, 1e-9)
-                self.history["tokens_per_s"].append(tps)
-                log0(f"step {self.step} | loss {out['loss']:.4f} | lr {out['lr']:.3e} | "
-                     f"grad norm {out['grad_norm']:.3f} | tokens/s {tps:.0f}")
-                monitor.write_events([("train/loss", out["loss"], self.step), ("train/lr", out["lr"], self.step),
-                                      ("train/grad_norm", out["grad_norm"], self.step),
-                                      ("train/target_tokens_per_s", tps, self.step)])
-                window_tokens, window_time = 0, 0.0
-            if self.step % cfg.valid_interval == 0 or self.step == self.max_steps:
+        progress = self.progress = Progress(self.cfg.run_dir, self.step, self.max_steps, enabled=self.layout.rank == 0)
+        try:
+            if self.step == 0:
                 v = self.validate()
-                self.history["valid"].append((self.step, v))
-                log0(f"step {self.step} | valid loss {v:.4f}")
-                monitor.write_events([("valid/loss", v, self.step)])
-            saved = self.step % cfg.save_interval == 0 or self.step == self.max_steps
-            if saved:
-                path = self.save()
-                log0(f"step {self.step} | saved checkpoint {path}")
-            if self.step < self.max_steps and preemption_agreed():
-                self.stop_preempted(already_saved=saved)
+                self.history["valid"].append((0, v))
+                progress.log(f"step 0 | valid loss {v:.4f}")
+                monitor.write_events([("valid/loss", v, 0)])
+            if self.step >= self.max_steps:
+                progress.log(f"run already at step {self.step} = train.max_steps; raise train.max_steps to continue")
+            window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
+            self.started = t0
+            progress.start_steps()
+            while self.step < self.max_steps:
+                out = self.train_step()
+                rolled_back = bool(out["divergence"]) and self.on_divergence(out["divergence"])
+                progress.advance(self.step)
+                if rolled_back:
+                    window_tokens, window_time = 0, 0.0
+                    continue  # rolled back: the step counter is the checkpoint's again
+                window_tokens += out["tokens"]
+                window_time += out["seconds"]
+                if self.step % cfg.log_interval == 0 or self.step == self.max_steps:
+                    tps = window_tokens / max(window_time, 1e-9)
+                    self.history["tokens_per_s"].append(tps)
+                    progress.report(self.step, out["loss"], out["lr"], out["grad_norm"], tps)
+                    monitor.write_events([("train/loss", out["loss"], self.step), ("train/lr", out["lr"], self.step),
+                                          ("train/grad_norm", out["grad_norm"], self.step),
+                                          ("train/target_tokens_per_s", tps, self.step)])
+                    window_tokens, window_time = 0, 0.0
+                if self.step % cfg.valid_interval == 0 or self.step == self.max_steps:
+                    v = self.validate()
+                    self.history["valid"].append((self.step, v))
+                    progress.log(f"step {self.step} | valid loss {v:.4f}")
+                    monitor.write_events([("valid/loss", v, self.step)])
+                saved = self.step % cfg.save_interval == 0 or self.step == self.max_steps
+                if saved:
+                    path = self.save()
+                    progress.log(f"step {self.step} | saved checkpoint {path}")
+                if self.step < self.max_steps and preemption_agreed():
+                    progress.close()  # its messages are plain lines
+                    self.stop_preempted(already_saved=saved)
+        finally:
+            progress.close()
         wall = time.perf_counter() - t0
         return self.summary(wall)
 
@@ -275,17 +287,20 @@ class Trainer:
 
     def summary(self, wall: float, stopped: str | None = None) -> dict:
         """Write run_dir/summary.json (rank 0) and print it; `stopped`: why the run ended early
-        (a divergence stop), kept in the file."""
+        (a divergence stop), kept in the file. Paths in the file are relative to the run
+        directory, so that it stays true when the run directory is copied or moved."""
         valid = self.history["valid"]
         tps = self.history["tokens_per_s"]
         newest = manifest.newest_committed(self.ckpt_dir)
         summary = {
             "steps": self.step,
+            "max_steps": self.max_steps,
             "first_valid_loss": valid[0][1] if valid else None,
             "last_valid_loss": valid[-1][1] if valid else None,
             "mean_target_tokens_per_s": sum(tps) / len(tps) if tps else None,
             "wall_seconds_this_launch": wall,
-            "checkpoint": newest and os.path.join(self.ckpt_dir, newest),
+            "checkpoint": newest and os.path.relpath(os.path.join(self.ckpt_dir, newest), self.cfg.run_dir),
+            "log": LOG_NAME,
             "divergence_events": len(self.guard.events),
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
@@ -295,15 +310,19 @@ class Trainer:
         if self.layout.rank == 0:
             with open(os.path.join(self.cfg.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
-            print("\n== summary ==", flush=True)
             losses = " → ".join(f"{v:.4f}" for v in (summary["first_valid_loss"], summary["last_valid_loss"])
                                 if v is not None) or "none"
-            print(f"steps {summary['steps']} | valid loss {losses} | target tokens/s "
-                  f"{summary['mean_target_tokens_per_s'] or 0:.0f} | {wall:.0f} s this launch")
-            print(f"checkpoint: {summary['checkpoint']}", flush=True)
+            lines = [f"steps {summary['steps']} | valid loss {losses} | target tokens/s "
+                     f"{summary['mean_target_tokens_per_s'] or 0:.0f} | {wall:.0f} s this launch",
+                     f"checkpoint: {newest and os.path.join(self.ckpt_dir, newest)}"]
             if self.guard.events:
-                print(f"divergence events: {len(self.guard.events)} (policy {self.cfg.train.divergence_policy}; "
-                      "listed in summary.json)", flush=True)
+                lines.append(f"divergence events: {len(self.guard.events)} (policy {self.cfg.train.divergence_policy}; "
+                             "listed in summary.json)")
+            if stopped:
+                lines.append(f"stopped: {stopped}")
+            print("\n== summary ==\n" + "\n".join(lines), flush=True)
+            for line in lines:
+                append_log(self.cfg.run_dir, f"summary | {line}")
         return summary
 
 

@@ -7,20 +7,22 @@ import os
 import sys
 import time
 
+from launcher.options import user_path
+
 HELP = "checkpoints: 'consolidate' into one model file, 'reshard' to another pp × dp layout"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     one = sub.add_parser("consolidate", help="write one file: model config, weights, SentencePiece model")
-    one.add_argument("source", help="run directory, its checkpoints/ folder, or one checkpoint folder")
+    one.add_argument("source", type=user_path, help="run directory, its checkpoints/ folder, or one checkpoint folder")
     one.add_argument("--tag", help="checkpoint tag (default: latest)")
-    one.add_argument("--out", help="output file (default RUN_DIR/model-<tag>.pt); an existing one is replaced only "
+    one.add_argument("--out", type=user_path, help="output file (default RUN_DIR/model-<tag>.pt); an existing one is replaced only "
                                    "with --force")
     one.add_argument("--force", action="store_true", help="replace an existing --out file")
     re = sub.add_parser("reshard", help="a new run directory whose checkpoint resumes at another layout")
-    re.add_argument("source", help="run directory, its checkpoints/ folder, or one checkpoint folder")
-    re.add_argument("out_run_dir", help="new run directory (must not hold checkpoints yet)")
+    re.add_argument("source", type=user_path, help="run directory, its checkpoints/ folder, or one checkpoint folder")
+    re.add_argument("out_run_dir", type=user_path, help="new run directory (must not hold checkpoints yet)")
     re.add_argument("--pipeline-stages", type=int, required=True)
     re.add_argument("--data-parallel", type=int, required=True)
     re.add_argument("--tag", help="checkpoint tag (default: latest)")

@@ -9,17 +9,18 @@ import os
 import sys
 import time
 
-from launcher.options import add_decoding_arguments, decode_options
+from launcher.launch import ROOT
+from launcher.options import add_decoding_arguments, decode_options, user_path
 
 HELP = "translate the dev/test sets of every direction; BLEU/chrF (sacreBLEU) table per split"
-DEFAULT_RUN = "runs/default"
+DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # configs/default.yaml's run_dir
 SPBLEU_CHOICES = ("flores200", "flores101", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", nargs="?", default=DEFAULT_RUN,
-                        help=f"run directory: its corpus, and its latest checkpoint (default {DEFAULT_RUN})")
-    parser.add_argument("--model", help="a consolidated model file to score instead of the run's checkpoint")
+    parser.add_argument("run_dir", nargs="?", default=DEFAULT_RUN, type=user_path,
+                        help="run directory: its corpus, and its latest checkpoint (default runs/default)")
+    parser.add_argument("--model", type=user_path, help="a consolidated model file to score instead of the run's checkpoint")
     parser.add_argument("--tag", help="checkpoint tag (default: latest)")
     parser.add_argument("--splits", nargs="+", default=["dev", "test"], choices=["dev", "test"])
     parser.add_argument("--max-sentences", type=int, default=0,
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--directions", nargs="+", help="only these directions, e.g. de-en en-de")
     parser.add_argument("--spbleu", default="flores200", choices=SPBLEU_CHOICES,
                         help="FLORES SentencePiece model for spBLEU (default flores200)")
-    parser.add_argument("--out-dir", help="where tables and hypotheses go (default RUN_DIR/eval)")
+    parser.add_argument("--out-dir", type=user_path, help="where tables and hypotheses go (default RUN_DIR/eval)")
     add_decoding_arguments(parser)
 
 

@@ -14,14 +14,16 @@ import sys
 import tempfile
 import time
 
+from launcher.options import user_path
+
 HELP = "export a trained model to Hugging Face transformers (--to hf) or CTranslate2 (--to ctranslate2)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="run directory (latest checkpoint, any layout) or consolidated model file")
+    parser.add_argument("model", type=user_path, help="run directory (latest checkpoint, any layout) or consolidated model file")
     parser.add_argument("--to", required=True, choices=["hf", "ctranslate2"], dest="format",
                         help="hf: a transformers MarianMTModel folder; ctranslate2: a CTranslate2 model folder")
-    parser.add_argument("out", help="output folder (must not exist, or be empty, unless --force)")
+    parser.add_argument("out", type=user_path, help="output folder (must not exist, or be empty, unless --force)")
     parser.add_argument("--tag", help="checkpoint tag in a run directory (default: its latest)")
     parser.add_argument("--quantization", default="float32",
                         help="CTranslate2 weight type: float32 (default), int8, int8_float32, int16, float16, "

@@ -1,12 +1,15 @@
-"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb: which layout, how fast, how long."""
+"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb: which layout, how fast, how long.
+
+MODEL is a run config (a path, or the name of one in configs/); its own layout is priced as a row
+of the same table, and the best layout is printed as the config keys that give it."""
 from __future__ import annotations
 
 import argparse
 import math
 import os
 
-from trainer.config import ConfigError
-from model.config import ModelConfig
+from launcher.options import add_set_argument, user_path
+from trainer.config import ConfigError, RunConfig
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
@@ -16,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from planner.planner import named_shapes
 
     parser.add_argument("model", help=f"a YAML run config, or the name of one in configs/: {', '.join(named_shapes())}")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    parser.add_argument("--gpus", type=int, help="GPUs in the job (default: the config's pp × tp × dp)")
     parser.add_argument("--gpu", required=True, choices=sorted(DEVICES), help="GPU type")
     parser.add_argument("--nodes", type=int, help="nodes (default: GPUs / 8); GPUs per node = gpus / nodes")
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
@@ -36,27 +39,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", help="only these tensor-parallel sizes, comma-separated (default 1,2,4,8)")
     parser.add_argument("--checkpoint", choices=("on", "off"), help="only with / without activation checkpointing")
     parser.add_argument("--top", type=int, default=8, help="rows in the table (8)")
-    parser.add_argument("--markdown", help="also write the table and the explanation to this file")
+    parser.add_argument("--markdown", type=user_path, help="also write the table and the explanation to this file")
+    add_set_argument(parser)
 
 
-def load_model(spec: str) -> ModelConfig:
-    """A named shape, or the model section of a YAML run config (vocabulary from its data section)."""
-    from planner.planner import named_model
+def load_run_config(spec: str, sets: list[str]) -> RunConfig:
+    """The run config `spec` names: a path from the caller's folder, or a config in configs/ by its
+    name; `sets` applied. Its model's vocabulary comes from its data section when it has none."""
+    from planner.planner import CONFIG_DIR, named_model
+    from trainer.config import load_config
 
-    if os.path.exists(spec):
-        from trainer.config import load_config
-
-        cfg = load_config(spec)
-        model = cfg.model
-        model.vocab_size = model.vocab_size or cfg.data.vocab_size
-        return model
-    try:
-        model = named_model(spec)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if model.vocab_size <= 0:
-        raise ConfigError(f"model {spec!r} takes its vocabulary from the data; give a YAML config instead")
-    return model
+    path = user_path(spec)
+    if not os.path.exists(path):
+        path = os.path.join(CONFIG_DIR, f"{spec}.yaml")
+        if os.sep in spec or not os.path.isfile(path):
+            try:
+                named_model(spec)  # its message names the configs there are
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+    cfg = load_config(path, sets=sets)
+    cfg.model.vocab_size = cfg.model.vocab_size or cfg.data.vocab_size
+    return cfg
 
 
 def _ints(value: str | None, flag: str) -> set[int] | None:
@@ -71,9 +74,9 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 def run(args: argparse.Namespace) -> int:
     from planner.devices import DEFAULT_PRECISION, device
     from planner.planner import search
-    from planner.report import explain, params_of, table
+    from planner.report import config_snippet, explain, own_row, params_of, table
 
-    if args.gpus < 1:
+    if args.gpus is not None and args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
     if args.tokens and args.flops:
         raise ConfigError("give --tokens or --flops, not both")
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
                         ("--flops", args.flops), ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value}: must be a positive number")
-    model = load_model(args.model)
+    cfg = load_run_config(args.model, args.sets)
+    model = cfg.model
+    args.gpus = args.gpus or cfg.world_size
     from planner.devices import kernel_efficiency
 
     args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)
@@ -109,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--microbatch-tokens {args.microbatch_tokens}: every value must be >= 1")
     fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
                            seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
+    own = _own_plan(cfg, model, dev, args, precision)
     keep = [_ints(args.pp, "--pp"), _ints(args.tp, "--tp")]
     ckpt = None if args.checkpoint is None else args.checkpoint == "on"
 
@@ -138,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         out += table(fits[:args.top], dev, budget) + [""] + explain(fits, too_big, dev)
     out.append(f"\n{len(fits)} of {len(fits) + len(too_big)} candidate layouts fit.")
+    out += ["", *own_row(own[0], fits[0] if fits else None, dev, budget, args.gpus, own[1])]
+    if fits:
+        out += ["", *config_snippet(fits[0], dev)]
     text = "\n".join(out)
     print(text)
     if args.markdown:
@@ -146,3 +155,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
+def _own_plan(cfg: RunConfig, model, dev, args: argparse.Namespace, precision: str) -> tuple:
+    """(the config's own layout priced like the candidates, a note on what differs from the
+    config): its precision where the GPU type has it, else the planned one."""
+    from planner.planner import plan
+    from planner.report import config_layout
+
+    mine = cfg.parallel.precision
+    note = "" if mine in dev.peak_tflops else f"priced in {precision}: {dev.name} has no {mine}"
+    layout = config_layout(cfg.parallel, cfg.train, cfg.data.max_tokens, args.seq_len,
+                           mine if mine in dev.peak_tflops else precision)
+    return plan(model, layout, dev, args.mfu), note

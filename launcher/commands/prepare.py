@@ -5,6 +5,7 @@ import argparse
 import os
 
 from launcher.launch import DEFAULT_CONFIG
+from launcher.options import add_config_arguments, run_dir_override, user_path
 from trainer.config import load_config
 from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
 
@@ -12,9 +13,8 @@ HELP = "validate, tokenise and binarise the corpus of a config (resumable); no t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="YAML run config")
-    parser.add_argument("--run-dir", help="override run_dir of the config")
-    parser.add_argument("--out", help="prepare into this folder instead of <run_dir>/data")
+    add_config_arguments(parser, DEFAULT_CONFIG)
+    parser.add_argument("--out", type=user_path, help="prepare into this folder instead of <run_dir>/data")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--check-device", action="store_true",
                         help="also check that this machine's accelerator can train the config (precision, "
@@ -24,9 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from data.batching import BatchStream, epoch_stats
     from data.dataset import PairDataset
-    from data.prepare import prepare_data, split_prefix
+    from data.prepare import check_corpus, prepare_data, split_prefix
 
-    cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    cfg = load_config(args.config, run_dir_override(args), sets=args.sets)
     out = args.out or os.path.join(cfg.run_dir, "data")
     if args.out:
         check_writable_folder(args.out, "--out")
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         check_resume(cfg, args.config)
     if args.check_device:
         check_device(cfg, args.config)
+    check_corpus(cfg.data)  # what needs no pass over the text, before anything is written
     print(f"config {args.config} → {out}", flush=True)
     try:
         prepare_data(cfg.data, out, progress=not args.no_progress)

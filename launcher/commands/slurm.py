@@ -9,14 +9,16 @@ import shutil
 import subprocess
 import sys
 
-from trainer.config import ConfigError, load_config
+from launcher.options import add_config_arguments, run_dir_override
+from launcher.preflight import check_resume, check_run_dir
 from launcher.slurm import JobSpec, resolved_config_text, write_job
+from trainer.config import ConfigError, load_config
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML run config")
+    add_config_arguments(parser)
     parser.add_argument("--cluster", help="one of the config's clusters: layouts (sets the layout, "
                                           "--nodes and --gpus-per-node)")
     parser.add_argument("--nodes", type=int, help="nodes of the job")
@@ -32,7 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signal-before", type=int, default=300,
                         help="seconds before the time limit to checkpoint and requeue (default 300: "
                              "the current step plus saving a multi-GB checkpoint)")
-    parser.add_argument("--run-dir", help="override run_dir of the config")
     parser.add_argument("--name", help="job name (default: the config file's name)")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
 
@@ -110,15 +111,24 @@ def _command_line(args: argparse.Namespace) -> str:
         value = getattr(args, flag)
         if value is not None and not (flag == "signal_before" and value == 300):
             words += ["--" + flag.replace("_", "-"), str(value)]
+    for item in args.sets:
+        words += ["--set", item]
     return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {"run_dir": args.run_dir} if args.run_dir else None
-    cfg = load_config(args.config, overrides, cluster=args.cluster)
+    from data.prepare import check_corpus
+
+    cfg = load_config(args.config, run_dir_override(args), cluster=args.cluster, sets=args.sets)
     cluster = cfg.clusters.get(args.cluster) if args.cluster else None
     _check_job_flags(args)
     nodes, gpus, tasks = _layout_flags(args, cfg, cluster)
+    # The checks of ./run.sh train and prepare, before anything is written: a job that would fail
+    # on them fails here rather than after it was queued. (The device is the compute nodes': the
+    # job's ranks check it.)
+    check_run_dir(cfg, args.config)
+    check_resume(cfg, args.config)
+    check_corpus(cfg.data)
     run_dir = os.path.abspath(cfg.run_dir)
     cfg.run_dir = run_dir
     p = cfg.parallel
@@ -131,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         account=args.account, signal_before=args.signal_before,
         command=_command_line(args),
     )
-    script = write_job(spec, resolved_config_text(cfg, args.config, args.cluster))
+    source = f"{args.config} with --set {' '.join(args.sets)}" if args.sets else args.config
+    script = write_job(spec, resolved_config_text(cfg, source, args.cluster))
     with open(script, encoding="utf-8") as f:
         print(f.read())
     print(f"wrote {script}\n  and {spec.config}", file=sys.stderr)

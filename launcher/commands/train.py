@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import tempfile
+
+import yaml
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from trainer.config import ConfigError, load_config
-from launcher.preflight import check_device, check_resume, check_run_dir
+from launcher.options import add_config_arguments, run_dir_override
+from trainer.config import ConfigError, load_config, to_dict
+from launcher.preflight import check_device, check_resume, check_run_dir, finished_step
 from launcher.procs import die_with_parent_shell, supervise
 from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
@@ -16,8 +22,7 @@ HELP = "prepare data and train a model on this node (an existing run directory i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="YAML run config")
-    parser.add_argument("--run-dir", help="override run_dir of the config")
+    add_config_arguments(parser, DEFAULT_CONFIG)
     parser.add_argument("--eval-sentences", type=int, default=50, metavar="N",
                         help="after training, translate the first N test sentences of every direction "
                              "(beam 5) and print BLEU/chrF (default 50; 0 skips; ./run.sh eval scores all)")
@@ -33,9 +38,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.eval_sentences < 0:
         raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
-    cfg = load_config(args.config, {"run_dir": args.run_dir} if args.run_dir else None)
+    cfg = load_config(args.config, run_dir_override(args), sets=args.sets)
     check_run_dir(cfg, args.config)
     check_resume(cfg, args.config)
+    done = finished_step(cfg)
+    if done is not None:  # before the device check, the data and the ranks: nothing to do
+        print(f"{cfg.run_dir} is finished: its newest checkpoint is step {done} and train.max_steps is "
+              f"{cfg.train.max_steps}; to train on, raise it (e.g. --set train.max_steps="
+              f"{done + max(done, 1)})", flush=True)
+        return 0
     check_device(cfg, args.config)
     check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
     try:  # held until this process ends; the ranks die with it (launcher/procs.py)
@@ -70,10 +81,59 @@ def _train(args: argparse.Namespace, cfg) -> int:
     threads = max(1, cores // world)
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
-    print(f"config {args.config} → run directory {cfg.run_dir}", flush=True)
+    sets = f" with --set {' '.join(args.sets)}" if args.sets else ""
+    print(f"config {args.config}{sets} → run directory {cfg.run_dir}", flush=True)
     prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
-    cmd = deepspeed_command(world, "launcher.worker",
-                            ["--config", os.path.abspath(args.config), "--run-dir", os.path.abspath(cfg.run_dir)])
+    with resolved_config(cfg, args.config) as config:
+        cmd = deepspeed_command(world, "launcher.worker", ["--config", config, "--run-dir", os.path.abspath(cfg.run_dir)])
+        rc = _launch(cmd, env, cfg, layout, world, gpus, cores)
+    if rc == 0 and args.eval_sentences > 0:
+        from translate.evaluate import evaluate_after_training
+
+        evaluate_after_training(cfg.run_dir, args.eval_sentences)
+        record_scores(cfg.run_dir, args.eval_sentences)
+    return rc
+
+
+@contextlib.contextmanager
+def resolved_config(cfg, source: str):
+    """The config the ranks read: this one as checked here, --set and --run-dir applied and every
+    key explicit (so config.json records it, and an edit of `source` during the start-up changes
+    nothing), in a temporary file removed when the launch ends."""
+    values = json.loads(json.dumps(to_dict(cfg)))  # tuples → lists, for YAML
+    name = os.path.splitext(os.path.basename(source))[0]
+    with tempfile.TemporaryDirectory(prefix="deepnet-launch-") as folder:
+        path = os.path.join(folder, f"{name}.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"# {source}, resolved by ./run.sh train for its ranks\n")
+            yaml.safe_dump(values, f, sort_keys=False)
+        yield path
+
+
+def record_scores(run_dir: str, sentences: int) -> None:
+    """The evaluation's BLEU/chrF (eval/eval.json) at the trained step, into the run's metrics
+    (CSV: the mean over directions; TensorBoard: that and every direction) and train.log."""
+    from parallel import manifest
+    from trainer import metrics
+    from trainer.progress import append_log
+
+    newest = manifest.newest_committed(os.path.join(run_dir, "checkpoints"))
+    try:
+        with open(os.path.join(run_dir, "eval", "eval.json"), encoding="utf-8") as f:
+            rows = json.load(f)["test"]["rows"]
+    except (OSError, ValueError, KeyError):
+        return  # the evaluation said why it could not run
+    if newest is None:
+        return
+    step = int(newest[len("step"):])
+    means, each = metrics.score_events(rows, step)
+    metrics.record(run_dir, means, tensorboard_only=each)
+    append_log(run_dir, f"step {step} | test " + " | ".join(f"{tag.split('/')[-1]} {value:.2f}" for tag, value, _ in means)
+               + f" (first {sentences} sentences per direction, beam 5; eval/test.md)")
+
+
+def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, cores: int) -> int:
+    """Start the ranks under supervision (launcher/procs.py); their exit code, explained."""
     where = (f"{world} of {gpus} GPUs" if gpus else
              f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
 
@@ -88,8 +148,4 @@ def _train(args: argparse.Namespace, cfg) -> int:
         print("training was stopped after saving a checkpoint; run the same command to resume", flush=True)
     elif rc in (129, 130, 143):
         print("training was stopped; run the same command to resume from the last checkpoint", flush=True)
-    if rc == 0 and args.eval_sentences > 0:
-        from translate.evaluate import evaluate_after_training
-
-        evaluate_after_training(cfg.run_dir, args.eval_sentences)
     return rc
