@@ -19,7 +19,7 @@ import time
 import torch
 
 from model.norms import set_training_step, step_blocks
-from parallel import manifest, rng
+from parallel import heartbeat, manifest, rng
 from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer, log0
 from trainer.config import RunConfig
@@ -74,6 +74,7 @@ class Trainer:
         signals.install_rank_handlers(cfg.train.stop_grace_seconds)
         set_collective_timeout(cfg.train.collective_timeout_seconds)
         setup_distributed(cfg.train.collective_timeout_seconds)
+        heartbeat.start(cfg.run_dir)  # names a lost or hung rank when a collective fails (launcher/worker.py)
         try:
             self.layout = Layout.build(cfg.parallel)
         except ValueError as e:
@@ -126,6 +127,7 @@ class Trainer:
     # ---- checkpoints (trainer/checkpointer.py) -----------------------------------------------
     def save(self) -> str:
         """Checkpoint this step (every rank); the folder written."""
+        heartbeat.at(self.step, "checkpoint save")
         return self.checkpoints.save(self.step, {"data": self.stream.state_dict(), "history": self.history,
                                                  "guard": self.guard.state_dict()})
 
@@ -146,11 +148,13 @@ class Trainer:
         total = sum(int(b["ntokens"]) for b in batches)
         mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
         set_training_step(self.step_blocks, self.step)
+        heartbeat.at(self.step, "train")
         start = time.perf_counter()
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
             loss = self.engine.train_batch(iter(mine))
         elapsed = time.perf_counter() - start
         self.step += 1
+        heartbeat.at(self.step, "step end")
         set_training_step(self.step_blocks, self.step)
         if self.stability:
             self.stability.after_step(self.step, grads)
@@ -163,6 +167,7 @@ class Trainer:
         """Token-weighted label-smoothed loss over the whole dev split (replicas share the work)."""
         from data.batching import eval_batches
 
+        heartbeat.at(self.step, "validation")
         batches = eval_batches(self.valid_data, self.cfg.data.max_tokens)
         total = sum(int(b["ntokens"]) for b in batches)
         mine = batches[self.layout.replica::self.layout.dp]
