@@ -12,7 +12,6 @@ from torch import nn
 
 from model.attention import attention
 from model.config import ModelConfig
-from model.dropout import Dropout
 from model.norms import StackNorm
 
 
@@ -51,7 +50,7 @@ class SharedEmbedding(nn.Module):
         self.pad_id = cfg.pad_id
         self.scale = math.sqrt(cfg.d_model)
         self.register_buffer("positions", sinusoidal_table(cfg.max_positions, cfg.d_model), persistent=False)
-        self.dropout = Dropout(cfg.dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
         length = tokens.size(1)
@@ -72,19 +71,45 @@ class SharedEmbedding(nn.Module):
 
 
 class MultiheadAttention(nn.Module):
-    """Attention with separate Q/K/V/O projections (each gets its own init gain)."""
+    """Attention whose input projections run as one matrix product: self-attention's queries, keys
+    and values from one [3d, d] weight (`qkv_proj`), cross-attention's keys and values from one
+    [2d, d] weight (`kv_proj`) next to its own `q_proj`. Each d × d block is initialised as its
+    own projection (its init gain, its Xavier fans), and the state dict holds the standard
+    separate `q_proj`, `k_proj`, `v_proj` entries: checkpoints, consolidated models and exports keep
+    the layout other tools load, and either layout loads."""
+
+    PARTS = {"self_attn": ("qkv_proj", ("q", "k", "v")), "cross_attn": ("kv_proj", ("k", "v"))}
 
     def __init__(self, cfg: ModelConfig, norm: StackNorm, where: str = "self_attn"):
-        """`where` ('self_attn' or 'cross_attn') lets the strategy decide on an inner LayerNorm."""
+        """`where` ('self_attn' or 'cross_attn') chooses the fused projections and lets the
+        strategy decide on an inner LayerNorm."""
         super().__init__()
         d = cfg.d_model
         self.heads = cfg.heads
         self.dropout = cfg.attention_dropout
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(d, d) for _ in range(4))
-        for name, lin in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj), ("o", self.out_proj)):
-            xavier_normal_linear(lin, norm.gain(name))
+        self.fused, self.parts = self.PARTS[where]
+        if where == "cross_attn":
+            self.q_proj = nn.Linear(d, d)
+        setattr(self, self.fused, nn.Linear(d, d * len(self.parts)))
+        self.out_proj = nn.Linear(d, d)
+        for name in ("q", *self.parts, "o") if where == "cross_attn" else (*self.parts, "o"):
+            weight, bias = self.projection(name)
+            nn.init.xavier_normal_(weight, gain=norm.gain(name))  # fans of the d × d block
+            nn.init.zeros_(bias)
         # Sub-LN's LayerNorm before the output projection (eq. 6); Identity for other strategies.
         self.inner_norm = norm.inner_norm(where, d, cfg.layernorm_eps)
+        self._register_state_dict_hook(_split_projections)
+        self._register_load_state_dict_pre_hook(_join_projections)
+
+    def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, bias) of projection `name` ('q', 'k', 'v', 'o'): views of the fused ones."""
+        if name == "o" or (name == "q" and self.fused == "kv_proj"):
+            linear = self.out_proj if name == "o" else self.q_proj
+            return linear.weight, linear.bias
+        fused = getattr(self, self.fused)
+        rows = fused.weight.size(0) // len(self.parts)  # d, or d/tp on a tensor-parallel rank
+        i = self.parts.index(name)
+        return fused.weight[i * rows:(i + 1) * rows], fused.bias[i * rows:(i + 1) * rows]
 
     def forward(self, query: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None = None,
                 causal: bool = False, cache: dict | None = None, static_kv: bool = False) -> torch.Tensor:
@@ -96,11 +121,16 @@ class MultiheadAttention(nn.Module):
         cross-attention (static_kv=True) projects the encoder output once and reuses it on later
         steps.
         """
-        q = self.q_proj(query)
+        if self.fused == "qkv_proj":
+            q, k, v = self.qkv_proj(query).chunk(3, dim=-1)
+        else:
+            q = self.q_proj(query)
+            k = v = None
         if cache is not None and static_kv and "k" in cache:
             k, v = cache["k"], cache["v"]
         else:
-            k, v = self.k_proj(memory), self.v_proj(memory)
+            if k is None:
+                k, v = self.kv_proj(memory).chunk(2, dim=-1)
             if cache is not None:
                 if not static_kv and "k" in cache:
                     k = torch.cat([cache["k"], k], dim=1)
@@ -110,6 +140,33 @@ class MultiheadAttention(nn.Module):
             causal = causal and q.size(1) > 1  # a single new query may see every cached key
         out = attention(q, k, v, self.heads, mask, causal, self.dropout if self.training else 0.0)
         return self.out_proj(self.inner_norm(out))
+
+
+def _split_projections(module: MultiheadAttention, state: dict, prefix: str, local_metadata) -> None:
+    """State dict hook: the fused projection's entries as the separate q/k/v_proj ones."""
+    split_fused_projections(state, prefix)
+
+
+def split_fused_projections(state: dict, prefix: str = "") -> dict:
+    """`state` (in place, and returned) with every fused projection entry under `prefix`
+    (`…qkv_proj.*`, `…kv_proj.*`) replaced by the separate q/k/v_proj entries."""
+    for key in [k for k in state if k.startswith(prefix)]:
+        head, _, param = key.rpartition(".")
+        owner, _, fused = head.rpartition(".")
+        parts = next((p for f, p in MultiheadAttention.PARTS.values() if f == fused), None)
+        if parts is None or param not in ("weight", "bias"):
+            continue
+        for name, block in zip(parts, state.pop(key).chunk(len(parts), dim=0)):
+            state[f"{owner}.{name}_proj.{param}" if owner else f"{name}_proj.{param}"] = block
+    return state
+
+
+def _join_projections(module: MultiheadAttention, state: dict, prefix: str, *args) -> None:
+    """Load pre-hook: separate q/k/v_proj entries into the fused projection's."""
+    for param in ("weight", "bias"):
+        keys = [f"{prefix}{name}_proj.{param}" for name in module.parts]
+        if all(key in state for key in keys):
+            state[f"{prefix}{module.fused}.{param}"] = torch.cat([state.pop(key) for key in keys], dim=0)
 
 
 class FeedForward(nn.Module):
@@ -122,7 +179,7 @@ class FeedForward(nn.Module):
         xavier_normal_linear(self.fc1, norm.gain("fc1"))
         xavier_normal_linear(self.fc2, norm.gain("fc2"))
         self.act = F.relu if cfg.activation == "relu" else F.gelu
-        self.dropout = Dropout(cfg.activation_dropout)
+        self.dropout = nn.Dropout(cfg.activation_dropout)
         # Sub-LN's LayerNorm before the second linear (eq. 8); Identity for other strategies.
         self.inner_norm = norm.inner_norm("ffn", cfg.ffn_dim, cfg.layernorm_eps)
 
@@ -170,14 +227,9 @@ class DecoderLayer(nn.Module):
         return self.ffn_res(x, self.ffn)
 
 
-def source_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """[B, 1, 1, S] boolean mask, True on real (non-pad) source tokens."""
+def padding_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """[B, 1, 1, S] boolean mask, True on real (non-pad) source tokens. Computed once per
+    micro-batch and stage and handed to every layer; always a mask, never None for a batch
+    without padding: asking whether there is any would read a value back from the device (a host
+    sync per micro-batch) and give compiled layers a second variant to compile."""
     return (src_tokens != pad_id)[:, None, None, :]
-
-
-def padding_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor | None:
-    """`source_mask`, or None when no source token is padding: attention then runs unmasked
-    (the same result, and SDPA skips reading and adding a mask in every attention call).
-    Computed once per micro-batch and stage and handed to every layer."""
-    real = src_tokens != pad_id
-    return None if bool(real.all()) else real[:, None, None, :]

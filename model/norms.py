@@ -52,7 +52,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.dropout import Dropout
 
 
 def deepnorm_constants(arch: str, encoder_layers: int = 0, decoder_layers: int = 0) -> dict[str, float]:
@@ -104,13 +103,12 @@ class PostNormResidual(Residual):
     def __init__(self, d_model: int, alpha: float, dropout: float, eps: float):
         super().__init__()
         self.alpha = alpha
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(d_model, eps=eps)
 
     def forward(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        if self.dropout.fuses(x):
-            return self.norm(self.dropout.add(x, branch(x), self.alpha))
-        return self.norm(self.alpha * x + self.dropout(branch(x)))  # α·x first: autograd's summation order
+        shortcut = x if self.alpha == 1.0 else self.alpha * x
+        return self.norm(shortcut + self.dropout(branch(x)))
 
 
 class PreNormResidual(Residual):
@@ -118,11 +116,11 @@ class PreNormResidual(Residual):
 
     def __init__(self, d_model: int, dropout: float, eps: float):
         super().__init__()
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(d_model, eps=eps)
 
     def forward(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return self.dropout.add(x, branch(self.norm(x)))
+        return x + self.dropout(branch(self.norm(x)))
 
 
 class BranchNormResidual(Residual):
@@ -130,7 +128,7 @@ class BranchNormResidual(Residual):
 
     def __init__(self, d_model: int, dropout: float, eps: float, max_norm_step: int):
         super().__init__()
-        self.dropout = Dropout(dropout)
+        self.dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(d_model, eps=eps)
         self.eps = eps
         self.max_norm_step = max_norm_step
@@ -151,7 +149,7 @@ class BranchNormResidual(Residual):
         y = branch(x)
         if self._mix < 1.0:  # after T the block is exactly Post-LN (no LN₀ term computed)
             y = (1.0 - self._mix) * F.layer_norm(y, y.shape[-1:], eps=self.eps) + self._mix * y
-        return self.norm(self.dropout.add(x, y))
+        return self.norm(x + self.dropout(y))
 
 
 def step_blocks(model: nn.Module) -> list[BranchNormResidual]:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from model.config import ModelConfig
+from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, layer_plan
 from parallel.accelerator import HOST
 from parallel.manifest import replacing
@@ -146,7 +147,8 @@ def _universal_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     pipe = {}
     for fp32 in sorted(glob.glob(os.path.join(tag_dir, "zero", "*", "fp32.pt"))):
         pipe[os.path.basename(os.path.dirname(fp32))] = _load(fp32)["param"]
-    return plain_state_dict(cfg, pipe)
+    # The optimizer's names are the modules' own (fused projections); a model file has the standard ones.
+    return split_fused_projections(plain_state_dict(cfg, pipe))
 
 
 def _data_files(run_dir: str) -> tuple[bytes, dict]:

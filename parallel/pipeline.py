@@ -16,8 +16,8 @@ after it avoids both. Shapes change per micro-batch, so the module is built with
 `dynamic_shape=True`.
 
 Inside a stage the layers hand each other a `Flow` (enc, dec, src, tgt_in, mask): the two streams
-as separate tensors and the source padding mask, computed once per stage from `src` (None when
-the micro-batch has no source padding, so attention runs without a mask). Only the stage's
+as separate tensors and the source padding mask, computed once per stage from `src` on the device
+(no value is read back to the host). Only the stage's
 boundaries convert: `TranslationPipe.forward` splits a received `h` before its first layer and
 concatenates after its last one (the first stage starts from the embedding, the last ends in
 logits). Packing in every layer instead would copy the whole [B, S+T, d] tensor forward and

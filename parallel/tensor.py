@@ -6,7 +6,8 @@ tensor-parallel style, with megatron-core's layers:
 
   embed               vocabulary-parallel (megatron's VocabParallelEmbedding for the lookup; the
                       tied output projection gives this rank's vocabulary slice of the logits)
-  *attn.[qkv]_proj    column-parallel (each rank computes its heads' queries, keys, values)
+  *attn.qkv_proj      column-parallel, each of the stacked q, k, v split by heads (each rank
+  *attn.kv_proj       computes its heads' queries, keys, values in one product); q_proj likewise
   *attn.out_proj      row-parallel (input split by heads, output all-reduced)
   *ffn.fc1 / fc2      column- / row-parallel
   *.inner_norm        Sub-LN's LayerNorm over the sharded features (statistics all-reduced)
@@ -112,15 +113,20 @@ class Style:
 
 
 class ColumnParallel(Style):
-    """nn.Linear → megatron's ColumnParallelLinear: the output features split, not gathered."""
+    """nn.Linear → megatron's ColumnParallelLinear: the output features split, not gathered.
+    `parts` > 1: the linear is that many projections stacked (model/layers.py's fused q/k/v), and
+    each rank holds its slice of every one, stacked the same way ([q_r; k_r; v_r])."""
 
     dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, parts: int = 1):
+        self.parts = parts
 
     def apply(self, linear: nn.Linear, tp: TensorParallel) -> nn.Module:
         column, _ = _linear_classes()
         new = column(linear.in_features, linear.out_features, config=tp.config, init_method=lambda w: None,
                      bias=linear.bias is not None, gather_output=False, tp_group=tp.group)
-        return _copy_shards(new, linear, self.dims, tp)
+        return _copy_shards(new, linear, self.dims, tp, self.parts)
 
 
 class RowParallel(Style):
@@ -163,13 +169,19 @@ def _inherit_tags(new: torch.Tensor, old: torch.Tensor) -> None:
             setattr(new, key, value)
 
 
-def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: TensorParallel) -> nn.Module:
-    """Fill `new`'s parameters from `full`'s (this rank's slice where `dims` splits them)."""
+def _copy_shards(new: nn.Module, full: nn.Module, dims: dict[str, int], tp: TensorParallel,
+                 parts: int = 1) -> nn.Module:
+    """Fill `new`'s parameters from `full`'s (this rank's slice where `dims` splits them; of each
+    of `parts` stacked projections)."""
     new.to(full.weight.device)
     with torch.no_grad():
         for name, param in new.named_parameters(recurse=False):
             source = getattr(full, name)
-            param.copy_(tp.shard(source, dims[name]) if name in dims else source)
+            if name in dims:
+                param.copy_(torch.cat([tp.shard(block, dims[name]) for block in source.chunk(parts, dim=dims[name])],
+                                      dim=dims[name]))
+            else:
+                param.copy_(source)
             _inherit_tags(param, source)
             if name in dims and not hasattr(param, "tensor_model_parallel"):  # megatron tags its biases
                 _mark_sharded(param, dims[name])
@@ -298,7 +310,9 @@ class VocabParallel(Style):
 # Module path (fnmatch pattern over the plain model's names) → style; the first match applies.
 TP_PLAN: dict[str, Style] = {
     "embed": VocabParallel(),
-    "*attn.[qkv]_proj": ColumnParallel(),
+    "*attn.qkv_proj": ColumnParallel(parts=3),
+    "*attn.kv_proj": ColumnParallel(parts=2),
+    "*attn.[qkv]_proj": ColumnParallel(),  # cross-attention's q_proj; the state dict's names
     "*attn.out_proj": RowParallel(),
     "*attn.inner_norm": ShardedLayerNorm(),
     "*attn": HeadParallel(),

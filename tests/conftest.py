@@ -16,14 +16,6 @@ if os.environ.get("DEEPNET_TEST_GPU") != "1":  # ./run.sh test-gpu leaves the ac
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-def pytest_sessionstart(session) -> None:
-    """Build the CPU kernels once (model/kernels.py, ~40 s on a fresh machine) before any test
-    launches ranks that would each wait for the build."""
-    from model.kernels import kernels
-
-    kernels()
-
-
 # A small corpus from the bundled gettext catalogs: two languages, both directions.
 TINY_DATA = {"languages": ["de", "fr"], "vocab_size": 600, "max_tokens": 256,
              "max_source_len": 48, "max_target_len": 48, "dev_size": 40, "test_size": 40}

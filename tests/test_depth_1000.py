@@ -110,8 +110,8 @@ def test_init_scale_of_each_stack_at_n_m_500_is_the_paper_beta():
     for layers, beta, attns in ((model.encoder_layers, ENC_BETA, ["self_attn"]),
                                 (model.decoder_layers, DEC_BETA, ["self_attn", "cross_attn"])):
         for attn in attns:
-            for proj, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", beta), ("out_proj", beta)):
-                ws = [getattr(getattr(layer, attn), proj).weight for layer in layers]
+            for proj, gain in (("q", 1.0), ("k", 1.0), ("v", beta), ("o", beta)):
+                ws = [getattr(layer, attn).projection(proj)[0] for layer in layers]
                 assert _pooled_std_ratio(ws, gain) == pytest.approx(1.0, abs=0.02), (attn, proj)
         for fc in ("fc1", "fc2"):
             assert _pooled_std_ratio([getattr(layer.ffn, fc).weight for layer in layers], beta) == \

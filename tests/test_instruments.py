@@ -7,7 +7,7 @@ import torch
 
 from model.config import ModelConfig
 from model.instruments import GradNorms, LayerNormInputs, ProbeMonitor, model_layers, probe_masks, update_norm
-from model.layers import source_mask
+from model.layers import padding_mask
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 
 
@@ -97,7 +97,7 @@ def test_layernorm_input_size_of_a_pre_ln_layer():
     with torch.no_grad():
         x = model.embed(b["src"])
         h = layer.self_attn_res.norm(x)
-        x2 = x + layer.self_attn(h, h, source_mask(b["src"], 0))
+        x2 = x + layer.self_attn(h, h, padding_mask(b["src"], 0))
     expected = torch.cat([x.norm(dim=-1)[real], x2.norm(dim=-1)[real]]).mean().item()
     assert ln.result()["encoder_layers.0"] == pytest.approx(expected, rel=1e-5)
     assert len(ln.result()) == 4

@@ -61,10 +61,10 @@ def test_xavier_115_init_per_layer_follows_its_formula(n, m):
                                 (model.decoder_layers, (12 * m) ** (-1 / 4), ["self_attn", "cross_attn"])):
         for layer in layers:
             for attn in (getattr(layer, a) for a in attns):
-                for proj, g in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", gain), ("out_proj", gain)):
-                    lin = getattr(attn, proj)
-                    assert _std_ratio(lin.weight, g) == pytest.approx(1.0, abs=0.02), proj
-                    assert torch.count_nonzero(lin.bias) == 0
+                for proj, g in (("q", 1.0), ("k", 1.0), ("v", gain), ("o", gain)):
+                    weight, bias = attn.projection(proj)
+                    assert _std_ratio(weight, g) == pytest.approx(1.0, abs=0.02), proj
+                    assert torch.count_nonzero(bias) == 0
             for lin in (layer.ffn.fc1, layer.ffn.fc2):
                 assert _std_ratio(lin.weight, gain) == pytest.approx(1.0, abs=0.02)
                 assert lin.weight.mean().abs() < 0.01 * gain
@@ -88,11 +88,11 @@ def test_init_std_is_beta_xavier_on_v_o_ffn_and_unscaled_on_q_k():
         for layer in layers:
             for attn_name in attns:
                 attn = getattr(layer, attn_name)
-                assert _std_ratio(attn.q_proj.weight, 1.0) == pytest.approx(1.0, abs=0.02)
-                assert _std_ratio(attn.k_proj.weight, 1.0) == pytest.approx(1.0, abs=0.02)
-                assert _std_ratio(attn.v_proj.weight, beta) == pytest.approx(1.0, abs=0.02)
+                assert _std_ratio(attn.projection("q")[0], 1.0) == pytest.approx(1.0, abs=0.02)
+                assert _std_ratio(attn.projection("k")[0], 1.0) == pytest.approx(1.0, abs=0.02)
+                assert _std_ratio(attn.projection("v")[0], beta) == pytest.approx(1.0, abs=0.02)
                 assert _std_ratio(attn.out_proj.weight, beta) == pytest.approx(1.0, abs=0.02)
-                assert attn.v_proj.weight.mean().abs() < 0.01 * beta
+                assert attn.projection("v")[0].mean().abs() < 0.01 * beta
             assert _std_ratio(layer.ffn.fc1.weight, beta) == pytest.approx(1.0, abs=0.02)
             assert _std_ratio(layer.ffn.fc2.weight, beta) == pytest.approx(1.0, abs=0.02)
             assert torch.count_nonzero(layer.ffn.fc1.bias) == 0

@@ -102,9 +102,9 @@ def test_init_std_of_every_projection(norm):
         for i, layer in enumerate(layers):
             gain = _expected_gain(norm, stack, i, n, m)
             for attn in (getattr(layer, a) for a in attns):
-                assert _std_ratio(attn.q_proj.weight, 1.0) == pytest.approx(1.0, abs=0.03)
-                assert _std_ratio(attn.k_proj.weight, 1.0) == pytest.approx(1.0, abs=0.03)
-                assert _std_ratio(attn.v_proj.weight, gain) == pytest.approx(1.0, abs=0.03), (stack, i)
+                assert _std_ratio(attn.projection("q")[0], 1.0) == pytest.approx(1.0, abs=0.03)
+                assert _std_ratio(attn.projection("k")[0], 1.0) == pytest.approx(1.0, abs=0.03)
+                assert _std_ratio(attn.projection("v")[0], gain) == pytest.approx(1.0, abs=0.03), (stack, i)
                 assert _std_ratio(attn.out_proj.weight, gain) == pytest.approx(1.0, abs=0.03), (stack, i)
             assert _std_ratio(layer.ffn.fc1.weight, gain) == pytest.approx(1.0, abs=0.03), (stack, i)
             assert _std_ratio(layer.ffn.fc2.weight, gain) == pytest.approx(1.0, abs=0.03), (stack, i)
@@ -132,7 +132,7 @@ def test_subln_inner_norms_sit_before_output_projection_and_fc2():
     x, mask = torch.randn(2, 5, 16), torch.ones(2, 1, 1, 5, dtype=torch.bool)
     attn_before, ffn_before = layer.self_attn(x, x, mask), layer.ffn(x)
     with torch.no_grad():
-        layer.self_attn.v_proj.weight.mul_(10)
+        layer.self_attn.projection("v")[0].mul_(10)
         layer.ffn.fc1.weight.mul_(10)
         layer.ffn.fc1.bias.mul_(10)
     torch.testing.assert_close(layer.self_attn(x, x, mask), attn_before, rtol=1e-4, atol=1e-5)

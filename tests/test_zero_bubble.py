@@ -7,7 +7,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from model.config import ModelConfig
-from model.layers import source_mask
+from model.layers import padding_mask
 from model.transformer import build_layer
 from parallel.zb_timeline import (bubble_fraction, filled_order, fixed, one_f_one_b_order, pending_peak,
                                   schedule_candidates, simulate, tuned_orders, tuned_schedule, with_first_stage_share,
@@ -45,7 +45,7 @@ def test_split_layer_defers_weight_gradients_and_equals_autograd(norm, kind):
     x, enc = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     src = torch.randint(1, 50, (2, 7))
     src[0, -2:] = cfg.pad_id
-    mask = source_mask(src, cfg.pad_id)
+    mask = padding_mask(src, cfg.pad_id)
     grad = torch.randn(2, 5, 32) if kind == "decoder" else torch.randn(2, 7, 32)
     results = []
     for module in (plain, split):
@@ -101,7 +101,7 @@ def test_default_store_defers_only_matmul_weight_gradients(norm):
     plain, split, store = _pair(cfg, "decoder", defer_cheap=False)
     torch.manual_seed(4)
     x, enc = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
-    mask = source_mask(torch.randint(1, 50, (2, 7)), cfg.pad_id)
+    mask = padding_mask(torch.randint(1, 50, (2, 7)), cfg.pad_id)
     grad = torch.randn(2, 5, 32)
     plain(x, enc, mask).backward(grad)
     with store.collect(0):
