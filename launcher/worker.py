@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from parallel import accelerator
+from parallel import accelerator, heartbeat
 from launcher.runlock import RunDirBusy, RunLock
 from trainer import signals
 from trainer.checkpointer import NoRoomStop
@@ -52,6 +52,33 @@ def _comm_failure(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(k in text for k in ("Connection closed by peer", "Connection reset",
                                                                    "Timed out", "timed out",
                                                                    *accelerator.backend_error_words()))
+
+
+def error_kind(e: BaseException) -> str:
+    """'closed' (a peer's connection closed: it ended), 'timeout' (nobody answered in time) or 'other'."""
+    text = str(e)
+    if any(k in text for k in ("Connection closed by peer", "Connection reset", "Broken pipe")):
+        return "closed"
+    if any(k in text for k in ("Timed out", "timed out", "Timeout", "timeout")):
+        return "timeout"
+    return "other"
+
+
+def report_lost_contact(e: BaseException, trainer: Trainer | None, rank: str, timeout_s: float) -> None:
+    """A collective failed in this rank: name the rank that was lost or hung (parallel/heartbeat.py:
+    who stopped beating, or is behind), in one line for the whole launch (the first survivor to
+    claim the report prints it; it is also the fault report the SLURM job script reads)."""
+    heartbeat.mark("lost contact")  # a fellow survivor reading the beats does not name this rank
+    reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0] if str(e) else type(e).__name__)[:120]
+    if heartbeat.current() is None:  # lost before the heartbeats started (the rendezvous)
+        step = f" at step {trainer.step}" if trainer is not None else ""
+        print(f"error: rank {rank}: lost contact with the other ranks{step} ({reason}); stopping; "
+              "the last committed checkpoint is kept", file=sys.stderr, flush=True)
+        return
+    finding = heartbeat.diagnose(error_kind(e), timeout_s)
+    if heartbeat.claim(finding, int(rank)):
+        print(f"error: rank {rank} ({heartbeat.node_name()}): {finding.line}; stopping, the last committed "
+              "checkpoint is kept", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,15 +127,12 @@ def main(argv: list[str] | None = None) -> None:
         exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
     except Exception as e:
         if not _comm_failure(e):
+            heartbeat.mark("failed")  # its own error: the others, meeting a closed connection, say so
             if not torch.distributed.is_initialized():
                 raise
             traceback.print_exc()
             exit_rank(1, clean=False)
-        step = f" at step {trainer.step}" if trainer is not None else ""
-        reason = re.sub(r"^\[[^\]]*\] ", "", str(e).splitlines()[0])[:120]  # gloo's source location
-        print(f"rank {rank}: lost contact with the other ranks{step} ({reason}); "
-              "stopping. The launcher's message names the rank that ended first; the last checkpoint is kept",
-              file=sys.stderr, flush=True)
+        report_lost_contact(e, trainer, rank, cfg.train.collective_timeout_seconds)
         os._exit(1)  # no teardown of a broken process group
     exit_rank(0)
 

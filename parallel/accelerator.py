@@ -97,6 +97,27 @@ def backend() -> str:
     return _BACKENDS[device_type()]
 
 
+def collective_fault_env(device: str | None = None) -> dict[str, str]:
+    """Environment under which a collective fails, instead of hanging, once a rank is lost, on
+    `device` (default: this process's); set before the process group exists (parallel/engine.py
+    setup_distributed, and the SLURM job script). The timeout itself is the process group's
+    (train.collective_timeout_seconds: init_process_group and every new_group, also DeepSpeed's).
+
+    GPUs (NCCL): TORCH_NCCL_ASYNC_ERROR_HANDLING=1: NCCL's watchdog thread checks every collective
+    against the group's timeout and, on a timeout or an NCCL error (a peer gone), aborts the
+    communicators and ends the process, instead of leaving it in a kernel that never completes.
+    The rank then ends by SIGABRT without a Python line of its own: the job script names the lost
+    rank from the heartbeats (launcher/faults.py). TORCH_NCCL_BLOCKING_WAIT stays off: it would
+    raise in Python instead, but makes every wait a host synchronisation, losing the overlap of
+    communication and compute. TORCH_NCCL_DUMP_ON_TIMEOUT=0: no flight-recorder dump on every
+    rank of a large job at each timeout.
+    CPUs (gloo): nothing to set: its collectives and send/recv wait at most the group's timeout and
+    fail at once on a closed connection."""
+    if (device or device_type()) == GPU:
+        return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    return {}
+
+
 def backend_error_words() -> tuple[str, ...]:
     """How every backend names itself in its error messages (NCCL's in capitals)."""
     return tuple(word for b in _BACKENDS.values() for word in (b, b.upper()))

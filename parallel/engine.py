@@ -14,7 +14,8 @@ from typing import NoReturn
 import torch
 
 from model.config import ModelConfig
-from parallel.accelerator import HOST, keep_freed_host_memory
+from parallel import heartbeat
+from parallel.accelerator import HOST, collective_fault_env, keep_freed_host_memory
 from parallel.config import ParallelConfig, TrainConfig
 from parallel.layout import Layout
 
@@ -110,6 +111,8 @@ def setup_distributed(timeout_seconds: float | None = None) -> None:
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in collective_fault_env().items():  # a lost rank fails collectives, not hangs them
+        os.environ.setdefault(key, value)
     accelerator = get_accelerator()
     if accelerator.device_name() == HOST:
         deepspeed.ops.__compatible_ops__ = {}
@@ -158,6 +161,7 @@ def exit_rank(code: int = 0, clean: bool = True) -> NoReturn:
     import atexit
     import threading
 
+    heartbeat.mark(f"exited {code}")  # a rank leaving on purpose is not named as a lost one
     if clean:
         try:
             finish_distributed()

@@ -201,7 +201,7 @@ def _who(ranks: list[int], records: dict[int, dict | None]) -> str:
         pids = [str(records[r]["pid"]) for r in rs if records.get(r)]
         label = f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
         pid = f" (PID{'s' if len(pids) > 1 else ''} {', '.join(pids)})" if pids else ""
-        parts.append(f"{label} on {node}{pid}")
+        parts.append(f"{label} on {node}{pid}" if pids else f"{label} (no heartbeat)")
     return "; ".join(parts)
 
 
@@ -257,8 +257,8 @@ def diagnose(error_kind: str, timeout_s: float | None, wait: float = DIAGNOSE_WA
         rec = records[failed[0]]
         return _finding("failed", failed, records, rec, f"{_who(failed, records)} failed {where(rec)} "
                         "(its error is above)")
-    if silent:
-        rec = records[silent[0]]
+    if silent:  # its record may be a beat behind: where this rank is, it was (collectives keep them in step)
+        rec = own
         age = time.time() - max(records[r]["time"] for r in silent)
         # A closed connection names a dead peer only while no other survivor has left (closing its own).
         died = error_kind == "closed" and not leaving
@@ -270,8 +270,8 @@ def diagnose(error_kind: str, timeout_s: float | None, wait: float = DIAGNOSE_WA
         kind = "died" if died else "unresponsive"
         return _finding(kind, silent, records, rec, f"lost {_who(silent, records)} {where(rec)}: {how}")
     if missing:
-        return _finding("missing", missing, records, own, f"{_who(missing, records)} never started this launch's "
-                        "heartbeat (lost during start-up)")
+        return _finding("missing", missing, records, own, f"{_who(missing, records)} was lost during start-up "
+                        "(it wrote no heartbeat in this launch)")
     if alive:
         furthest = max([own["seq"], *(r["seq"] for r in alive.values())])
         behind = sorted(r for r, rec in alive.items() if rec["seq"] < furthest)
@@ -331,14 +331,14 @@ def post_mortem(run_dir: str, launch: str) -> Finding | None:
     missing = [r for r in range(world) if r not in seen]
     if missing:
         return _finding("missing", missing, seen, next(iter(seen.values())),
-                        f"{_who(missing, seen)} never started this launch's heartbeat (lost during start-up)")
+                        f"{_who(missing, seen)} was lost during start-up (it wrote no heartbeat in this launch)")
     unsaid = {r: rec for r, rec in seen.items() if rec["state"] == "running"}
     if not unsaid:
         return None
     first = min(rec["time"] for rec in unsaid.values())
     others = [rec["time"] for rec in seen.values() if rec["time"] > first + 2 * INTERVAL]
     lost = sorted(r for r, rec in unsaid.items() if rec["time"] <= first + 2 * INTERVAL)
-    rec = seen[lost[0]]
+    rec = max(seen.values(), key=lambda r: r["seq"])  # the furthest record: the others' lag a beat
     gap = f", {min(others) - first:.0f} s before the others'" if others else ""
     return _finding("unresponsive", lost, seen, rec, f"lost {_who(lost, seen)} {where(rec)}: its heartbeat stopped "
                     f"first{gap} (killed, hung, or its node is gone)")
