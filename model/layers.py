@@ -99,7 +99,7 @@ class MultiheadAttention(nn.Module):
         # Sub-LN's LayerNorm before the output projection (eq. 6); Identity for other strategies.
         self.inner_norm = norm.inner_norm(where, d, cfg.layernorm_eps)
         self._register_state_dict_hook(_split_projections)
-        self._register_load_state_dict_pre_hook(_join_projections)
+        self._register_load_state_dict_pre_hook(_join_projections, with_module=True)
 
     def projection(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) of projection `name` ('q', 'k', 'v', 'o'): views of the fused ones."""
@@ -227,9 +227,14 @@ class DecoderLayer(nn.Module):
         return self.ffn_res(x, self.ffn)
 
 
-def padding_mask(src_tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """[B, 1, 1, S] boolean mask, True on real (non-pad) source tokens. Computed once per
-    micro-batch and stage and handed to every layer; always a mask, never None for a batch
-    without padding: asking whether there is any would read a value back from the device (a host
-    sync per micro-batch) and give compiled layers a second variant to compile."""
-    return (src_tokens != pad_id)[:, None, None, :]
+def padding_mask(src_tokens: torch.Tensor, pad_id: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B, 1, 1, S] additive attention mask in `dtype` (the activations'): 0 on real source tokens,
+    −∞ on padding. Computed once per micro-batch and stage and handed to every layer, always (never
+    None for a batch without padding: asking whether there is any would read a value back from the
+    device, a host sync per micro-batch, and give compiled layers a second variant); additive
+    rather than boolean, so that attention adds it as it is instead of converting it in every
+    layer; a tensor of its own (not a view), which compiled layers need to reuse their graph when
+    activation checkpointing recomputes them with a detached copy."""
+    b, s = src_tokens.shape
+    mask = torch.zeros((b, 1, 1, s), dtype=dtype, device=src_tokens.device)
+    return mask.masked_fill_((src_tokens == pad_id)[:, None, None, :], float("-inf"))

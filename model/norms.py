@@ -132,23 +132,29 @@ class BranchNormResidual(Residual):
         self.norm = nn.LayerNorm(d_model, eps=eps)
         self.eps = eps
         self.max_norm_step = max_norm_step
-        # A buffer so that the step travels with the weights (checkpoints, pipeline layer files);
-        # `_mix` mirrors it as a Python float to avoid a device sync in every forward.
+        # A buffer so that the step travels with the weights (checkpoints, pipeline layer files).
+        # λ_t lives in a buffer too, updated in place, and `_normalising` (λ_t < 1) is a Python
+        # bool that flips once, at T: a compiled layer then reuses its graph every step (a float
+        # attribute changing each step would recompile it each step).
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
-        self._mix = 0.0
+        self.register_buffer("mix", torch.zeros(()), persistent=False)
+        self._normalising = True
 
     def set_step(self, step: int) -> None:
         self.step.fill_(step)
-        self._mix = branchnorm_mix(step, self.max_norm_step)
+        mix = branchnorm_mix(step, self.max_norm_step)
+        self.mix.fill_(mix)
+        self._normalising = mix < 1.0
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self._mix = branchnorm_mix(int(self.step), self.max_norm_step)
+        self.set_step(int(self.step))
 
     def forward(self, x: torch.Tensor, branch: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         y = branch(x)
-        if self._mix < 1.0:  # after T the block is exactly Post-LN (no LN₀ term computed)
-            y = (1.0 - self._mix) * F.layer_norm(y, y.shape[-1:], eps=self.eps) + self._mix * y
+        if self._normalising:  # from T on the block is exactly Post-LN (no LN₀ term computed)
+            mix = self.mix.to(y.dtype)
+            y = (1.0 - mix) * F.layer_norm(y, y.shape[-1:], eps=self.eps) + mix * y
         return self.norm(x + self.dropout(y))
 
 

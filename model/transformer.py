@@ -87,8 +87,8 @@ class EncoderDecoder(nn.Module):
             else:
                 setattr(self, layer.name, module)
 
-    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        mask = padding_mask(src, self.cfg.pad_id)
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = padding_mask(src, self.cfg.pad_id, self.embed.weight.dtype)
         x = self.embed(src)
         for layer in self.encoder_layers:
             x = layer(x, mask)
@@ -96,7 +96,7 @@ class EncoderDecoder(nn.Module):
             x = self.encoder_norm(x)
         return x, mask
 
-    def decode(self, tgt_in: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def decode(self, tgt_in: torch.Tensor, enc: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(tgt_in)
         for layer in self.decoder_layers:
             x = layer(x, enc, mask)

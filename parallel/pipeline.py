@@ -40,6 +40,7 @@ from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer, layer_plan, smoothed_loss_sum
 from model.flops import layer_costs
+from parallel.compiled import run_layer
 from parallel.partition import stage_bounds
 from parallel.tensor import TensorParallel, parallelize, vocab_parallel_smoothed_loss_sum
 
@@ -53,7 +54,7 @@ def _build(cfg: ModelConfig, kind: str, index: int, init_seed: int) -> nn.Module
 def stage_flow(h: torch.Tensor, src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int) -> tuple:
     """A received stage message as the in-stage flow (enc, dec, src, tgt_in, mask)."""
     enc, dec = h.split([src.size(1), tgt_in.size(1)], dim=1)
-    return enc.contiguous(), dec.contiguous(), src, tgt_in, padding_mask(src, pad_id)
+    return enc.contiguous(), dec.contiguous(), src, tgt_in, padding_mask(src, pad_id, h.dtype)
 
 
 def stage_message(flow: tuple) -> tuple[torch.Tensor, ...]:
@@ -72,7 +73,7 @@ class EmbedPipe(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple:
         src, tgt_in = inputs
-        return self.embed(src), self.embed(tgt_in), src, tgt_in, padding_mask(src, self.pad_id)
+        return self.embed(src), self.embed(tgt_in), src, tgt_in, padding_mask(src, self.pad_id, self.embed.weight.dtype)
 
 
 def output_logits(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
@@ -87,7 +88,7 @@ class EncoderPipe(nn.Module):
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
-        return self.layer(enc, mask), dec, src, tgt_in, mask
+        return run_layer(self.layer, enc, mask), dec, src, tgt_in, mask
 
 
 class DecoderPipe(EncoderPipe):
@@ -96,7 +97,7 @@ class DecoderPipe(EncoderPipe):
 
     def forward(self, inputs: tuple) -> tuple:
         enc, dec, src, tgt_in, mask = inputs
-        return enc, self.layer(dec, enc, mask), src, tgt_in, mask
+        return enc, run_layer(self.layer, dec, enc, mask), src, tgt_in, mask
 
 
 class FinalNormPipe(nn.Module):

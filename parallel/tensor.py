@@ -143,19 +143,28 @@ class RowParallel(Style):
 
 @functools.cache
 def _linear_classes():
+    """megatron-core's column- and row-parallel linears (their parameters, sharding attributes and
+    state dicts) with forwards written as F.linear between megatron's region functions: the same
+    numbers as megatron's own forwards, which compiled layers trace without a graph break (those
+    go through an autograd function with an asynchronous all-reduce and warnings)."""
     _, tensor_parallel, _ = megatron()
 
     class ColumnLinear(tensor_parallel.ColumnParallelLinear):
-        """Column-parallel linear returning just the (local) output, like nn.Linear."""
+        """Column-parallel linear returning just the (local) output, like nn.Linear: the input
+        copied into the region (its gradient all-reduced in backward), the local output columns."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x)[0]
+            x = tensor_parallel.copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+            return F.linear(x, self.weight, self.bias)
 
     class RowLinear(tensor_parallel.RowParallelLinear):
-        """Row-parallel linear (input already split) returning the all-reduced output."""
+        """Row-parallel linear (input already split) returning the all-reduced output, bias added
+        once after the reduction."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x)[0]
+            out = tensor_parallel.reduce_from_tensor_model_parallel_region(F.linear(x, self.weight),
+                                                                          group=self.tp_group)
+            return out if self.bias is None else out + self.bias
 
     return ColumnLinear, RowLinear
 
@@ -250,7 +259,8 @@ class HeadParallel(Style):
         if attention.heads % tp.size:
             raise ValueError(f"model.heads={attention.heads} is not divisible by tensor_parallel={tp.size}")
         attention.heads = attention.heads // tp.size
-        _model_parallel_dropout(attention)
+        if attention.dropout > 0:  # the fork saves and sets RNG states: a graph break when compiled
+            _model_parallel_dropout(attention)
         return attention
 
 
@@ -259,7 +269,8 @@ class ModelParallelDropout(Style):
     the model-parallel RNG."""
 
     def apply(self, module: nn.Module, tp: TensorParallel) -> nn.Module:
-        _model_parallel_dropout(module)
+        if module.dropout.p > 0:  # as for attention: only where a mask is drawn
+            _model_parallel_dropout(module)
         return module
 
 

@@ -24,7 +24,7 @@ import torch
 
 from data.batching import BatchStream, PairDataset, eval_batches
 from data.prepare import load_manifest
-from model.layers import padding_mask
+from model.layers import padding_mask, split_fused_projections
 from model.norms import set_training_step
 from model.transformer import EncoderDecoder, layer_plan, smoothed_loss_sum
 from parallel.engine import inverse_sqrt
@@ -118,7 +118,7 @@ def reference_run(cfg, steps: int, *, instruments: bool = False, stage_bounds: l
                 loss = smoothed_loss_sum(logits, b["tgt_out"], cfg.model.pad_id, cfg.model.label_smoothing) / total
                 loss.backward()
                 step_loss += loss.item()
-        step_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        step_grads = split_fused_projections({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         out["k_bias_grad"].append(max(float(g.abs().max()) for n, g in step_grads.items() if n.endswith("k_proj.bias")))
         out["grad_max"].append(max(float(g.abs().max()) for g in step_grads.values()))
         clip = t.clip_norm if t.clip_norm > 0 else float("inf")

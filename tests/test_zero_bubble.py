@@ -78,7 +78,7 @@ def test_store_defers_a_share_of_the_matmul_weight_gradients():
     cfg = _cfg("deepnorm")
     plain, split, store = _pair(cfg, "decoder", defer_cheap=False)
     weights = matmul_weights(split)
-    assert len(weights) == 10  # q, k, v, out twice, fc1, fc2
+    assert len(weights) == 7  # self-attention: qkv (one matrix), out; cross: q, kv (one), out; fc1, fc2
     store.defer_share(weights, 0.3)
     torch.manual_seed(4)
     x, enc, grad = torch.randn(2, 5, 32), torch.randn(2, 7, 32), torch.randn(2, 5, 32)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from trainer.config import load_config
 from trainer.trainer import Trainer
+from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 from parallel.pipeline import plain_state_dict
 from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum
@@ -70,8 +71,8 @@ def check_gradients(trainer: Trainer) -> dict:
     ref = smoothed_loss_sum(plain(b["src"], b["tgt_in"]), b["tgt_out"], 0, cfg.model.label_smoothing)
     ref.backward()
     grads = {name: p.grad for name, p in module.named_parameters()}
-    grads = plain_state_dict(cfg.model, grads)
-    plain_grads = {name: p.grad for name, p in plain.named_parameters()}
+    grads = split_fused_projections(plain_state_dict(cfg.model, grads))  # the standard q/k/v names
+    plain_grads = split_fused_projections({name: p.grad for name, p in plain.named_parameters()})
     grad_rel = {name: rel(g, local_slice(name, plain_grads[name], tp)) for name, g in grads.items()}
     grad_abs = {name: float((g - local_slice(name, plain_grads[name], tp)).abs().max()) for name, g in grads.items()}
     grad_max = max(float(g.abs().max()) for g in plain_grads.values())
