@@ -55,6 +55,13 @@ def differences(a: dict, b: dict) -> list[str]:
     return [d for rank in gathered for d in rank]
 
 
+def count_all(s: dict) -> int:
+    """How many tensors `differences` compares, over every rank."""
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, len(s["params"]) + len(s["master"]))
+    return sum(gathered)
+
+
 def trainer(cfg, steps: int, flat: bool) -> Trainer:
     FlatOptimizer.enabled = flat
     try:
@@ -151,7 +158,7 @@ def fp16_overflow(cfg) -> dict:
     scaler.cur_scale = 2.0**8
     third = t.train_step()
     record.update(third=third["loss"], third_norm=third["grad_norm"], skipped_after=t.engine.skipped_steps,
-                  changed_by_third=len(differences(after, state(t))), tensors=len(after["params"]))
+                  changed_by_third=len(differences(after, state(t))), tensors=count_all(after))
     record["second"] = {k: second[k] for k in ("loss", "grad_norm")}
     return record
 
