@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import yaml
 
-from parallel import accelerator
+from launcher.faults import REQUEUE
+from parallel import accelerator, heartbeat
 from trainer.config import RunConfig, to_dict
 from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
 
@@ -47,6 +48,16 @@ class JobSpec:
     account: str | None = None
     signal_before: int = 300
     """Seconds before the time limit at which SLURM sends SIGUSR1 (checkpoint, then requeue)."""
+    max_fault_requeues: int = 3
+    """Faults (a lost or hung rank or node) after which the job still requeues itself; one more stops it."""
+    max_same_step_faults: int = 2
+    """The job stops, not requeued, once the same step has failed this many times (launcher/faults.py)."""
+    fault_grace: int = 45
+    """Seconds srun may still run after a rank reported a fault, or after every rank's heartbeat
+    stopped, before the script ends it (srun waits for a node that no longer answers until SLURM
+    declares it DOWN: SlurmdTimeout, 300 s by default). Above SLURM's KillWait (30 s by default)."""
+    stall_seconds: int = 60
+    """No heartbeat from any rank for this long, with srun still running: the ranks are gone."""
     python: str = sys.executable
     root: str = ROOT
     command: str = ""
@@ -84,7 +95,7 @@ def render_sbatch(spec: JobSpec) -> str:
             options.append((f"--{flag}={value}", ""))
     options += [(f"--output={logs}/%x-%j.out", "one log per job id: stdout and stderr"),
                 ("--open-mode=append", "a requeued job appends to its log"),
-                ("--requeue", "may be requeued (after preemption)"),
+                ("--requeue", "may be requeued (after preemption, a fault, a node failure)"),
                 (f"--signal=B:USR1@{spec.signal_before}",
                  f"{spec.signal_before} s before the time limit: checkpoint, requeue")]
     width = max(len(option) for option, _ in options) + 2
@@ -92,7 +103,9 @@ def render_sbatch(spec: JobSpec) -> str:
     if gpu:
         backend = """# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
 export DS_ACCELERATOR=""" + accelerator.GPU + """
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed rank aborts collectives instead of hanging them
+# A lost rank fails the collectives (NCCL's watchdog, after train.collective_timeout_seconds)
+# instead of hanging them; parallel/accelerator.py collective_fault_env says why these values.
+""" + "\n".join(f"export {k}={v}" for k, v in accelerator.collective_fault_env(accelerator.GPU).items()) + """
 export NCCL_DEBUG=WARN
 # Site-specific, uncomment and set for this cluster's fabric:
 # export NCCL_SOCKET_IFNAME=ib0            # interface for NCCL's bootstrap
@@ -143,6 +156,25 @@ on_preempt() {{
 }}
 trap on_preempt USR1
 
+# Faults: a rank or node lost or hung mid-run ends the training step (the surviving ranks name it:
+# parallel/heartbeat.py) and the job requeues itself, resuming from the newest intact checkpoint;
+# at most MAX_FAULT_REQUEUES times, and not again once the same step has failed
+# MAX_SAME_STEP_FAULTS times. When SLURM itself ends the job for a node failure it requeues it
+# (--requeue); the next start counts that attempt (launcher/faults.py, <run_dir>/slurm/faults.json).
+MAX_FAULT_REQUEUES={spec.max_fault_requeues}
+MAX_SAME_STEP_FAULTS={spec.max_same_step_faults}
+FAULT_GRACE={spec.fault_grace}
+STALL_SECONDS={spec.stall_seconds}
+ATTEMPT=${{SLURM_RESTART_COUNT:-0}}
+export {heartbeat.LAUNCH_ENV}="$SLURM_JOB_ID.$ATTEMPT"
+HEARTBEATS="$RUN_DIR/{heartbeat.DIR}"
+FAULT_REPORT="$HEARTBEATS/fault-${heartbeat.LAUNCH_ENV}.json"
+faults() {{
+  "$PYTHON" -m launcher.faults "$@" --job "$SLURM_JOB_ID" --attempt "$ATTEMPT" \\
+    --max-requeues "$MAX_FAULT_REQUEUES" --max-same-step "$MAX_SAME_STEP_FAULTS"
+}}
+faults begin "$RUN_DIR" || exit 1
+
 # 1. Data: tokenise and binarise once into the run directory (a no-op when it is up to date).
 srun --nodes=1 --ntasks=1{cpus} \\
   "$PYTHON" -u -m launcher.cli prepare "$CONFIG" --run-dir "$RUN_DIR" --no-progress || exit 1
@@ -150,21 +182,43 @@ srun --nodes=1 --ntasks=1{cpus} \\
 # 2. Training: one task per rank; a checkpoint in $RUN_DIR/checkpoints is resumed.
 rm -f "$RUN_DIR/{PREEMPTED_MARKER}" "$RUN_DIR/{STOPPED_MARKER}"
 if [ "$preempted" = 0 ]; then
-  # --kill-on-bad-exit: one failed rank ends the others instead of leaving them blocked in a
-  # collective. (After a preemption checkpoint the ranks exit with code 75 together; srun may
-  # report the last ones as terminated.)
+  # --kill-on-bad-exit: one failed rank ends the others at once (SIGTERM, SIGKILL after KillWait)
+  # instead of leaving them blocked in a collective. (After a preemption checkpoint the ranks exit
+  # with code 75 together; srun may report the last ones as terminated.)
+  started=$(date +%s)
   srun --nodes={spec.nodes} --ntasks-per-node={spec.tasks_per_node}{cpus} --kill-on-bad-exit=1 \\
     "$PYTHON" -u -m launcher.worker --config "$CONFIG" --run-dir "$RUN_DIR" &
   train_pid=$!
-  wait "$train_pid"; rc=$?
-  # `wait` returns early when a trapped signal arrives; wait again until srun has really ended.
-  while kill -0 "$train_pid" 2>/dev/null; do wait "$train_pid"; rc=$?; done
+  # srun also waits for the tasks of a node that no longer answers (power, network, slurmd lost)
+  # until SLURM declares it DOWN (SlurmdTimeout). So: once a rank reported a fault, or no rank has
+  # had a heartbeat for STALL_SECONDS, srun gets FAULT_GRACE more seconds, then is ended.
+  fault_since=""
+  while kill -0 "$train_pid" 2>/dev/null; do
+    sleep 2 & wait $!  # (a trapped signal interrupts this wait, not srun)
+    now=$(date +%s)
+    if [ -z "$fault_since" ]; then
+      if [ -e "$FAULT_REPORT" ]; then
+        fault_since=$now
+      elif [ -n "$(find "$HEARTBEATS" -name 'rank*.json' -newermt "@$started" 2>/dev/null | head -n 1)" ] &&
+           [ -z "$(find "$HEARTBEATS" -name 'rank*.json' -newermt "@$((now - STALL_SECONDS))" | head -n 1)" ]; then
+        echo "$(date -Is) no rank has had a heartbeat for $STALL_SECONDS s, but srun still runs"
+        fault_since=$now
+      fi
+    elif [ $((now - fault_since)) -ge "$FAULT_GRACE" ]; then
+      echo "$(date -Is) srun still running $FAULT_GRACE s after the ranks stopped (a node that no longer" \\
+           "answers?): ending it"
+      kill -KILL "$train_pid" 2>/dev/null
+      fault_since=$((now + 3600))  # said once
+    fi
+  done
+  wait "$train_pid" 2>/dev/null; rc=$?  # (bash's own "Killed" line is not needed)
 else
   rc=1
 fi
+faults end "$RUN_DIR" --rc "$rc" $([ "$preempted" = 1 ] && echo --preempted); verdict=$?
 
-# 3. Stopped for a reason a requeue would meet again (no room for a checkpoint, a failed write):
-#    the job ends with the ranks' exit code, also after a preemption signal.
+# 3. Stopped for a reason a requeue would meet again (no room for a checkpoint, a failed write, a
+#    fault that recurs): the job ends with the ranks' exit code, also after a preemption signal.
 if [ -f "$RUN_DIR/{STOPPED_MARKER}" ]; then
   echo "$(date -Is) training stopped and is not requeued: $(cat "$RUN_DIR/{STOPPED_MARKER}")"
   code=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("code", ""))' \\
@@ -178,6 +232,13 @@ if [ -f "$RUN_DIR/{PREEMPTED_MARKER}" ] || {{ [ "$preempted" = 1 ] && [ "$rc" !=
     mv "$RUN_DIR/{PREEMPTED_MARKER}" "{logs}/{PREEMPTED_MARKER}.$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"
   fi
   echo "$(date -Is) requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+# 5. A lost or hung rank (named above): requeue; the next start resumes from the newest intact
+#    checkpoint, on the nodes SLURM gives it (a DOWN node is not among them).
+if [ "$verdict" = {REQUEUE} ]; then
+  echo "$(date -Is) requeueing job $SLURM_JOB_ID after a fault"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
