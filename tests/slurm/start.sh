@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# Start a real SLURM cluster of two nodes on this one machine, for tests/test_slurm.py.
+# Start a real SLURM cluster of seven nodes on this one machine, for tests/test_slurm.py:
+# partition test (node1, node2; the default), faults (node3, node4: ranks killed and stopped) and
+# nodeloss (node5-node7: one node lost whole, and a spare that replaces it).
 #
 #   tests/slurm/start.sh STATE_DIR
 #
 # Runs its own munged (own key and socket), slurmctld, and one slurmd per fake node
 # (`slurmd -N node1`, `slurmd -N node2`, each on its own port) with Debian's 22.05 packages.
 # The node names resolve through /etc/hosts lines tagged "deepnet-slurm-test" (node1 → 127.0.0.11,
-# node2 → 127.0.0.12), so `scontrol show hostnames` gives names a job can connect to.
+# node2 → 127.0.0.12, …), so `scontrol show hostnames` gives names a job can connect to.
 # proctrack/linuxproc and task/none: no cgroups or systemd needed. Every daemon runs in the
 # foreground of a background job; their PIDs go to STATE_DIR/pids and stop.sh kills exactly those.
 # Clients find the cluster through SLURM_CONF=STATE_DIR/slurm.conf.
 set -euo pipefail
 STATE=$(realpath -m "${1:?usage: start.sh STATE_DIR}")
-NODES=(node1 node2)
+NODES=(node1 node2 node3 node4 node5 node6 node7)
 mkdir -p "$STATE"/{munge,ctld,log}
 : >"$STATE/pids"
 
@@ -74,7 +76,9 @@ CONF
   for i in "${!NODES[@]}"; do
     echo "NodeName=${NODES[$i]} NodeAddr=127.0.0.$((11 + i)) Port=$(free_port) CPUs=2 RealMemory=4000 State=UNKNOWN"
   done
-  echo "PartitionName=test Nodes=$(IFS=,; echo "${NODES[*]}") Default=YES MaxTime=INFINITE State=UP"
+  echo "PartitionName=test Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP"
+  echo "PartitionName=faults Nodes=node3,node4 MaxTime=INFINITE State=UP"
+  echo "PartitionName=nodeloss Nodes=node5,node6,node7 MaxTime=INFINITE State=UP"
 } >"$STATE/slurm.conf"
 export SLURM_CONF="$STATE/slurm.conf"
 
@@ -89,7 +93,7 @@ for node in "${NODES[@]}"; do
   echo $! >>"$STATE/pids"
 done
 
-# -- wait until both nodes take jobs -------------------------------------------------------------
+# -- wait until every node takes jobs ------------------------------------------------------------
 for _ in $(seq 120); do
   idle=$(sinfo -h -N -o '%N %t' 2>/dev/null | grep -c ' idle' || true)
   [ "$idle" = "${#NODES[@]}" ] && { echo "SLURM_CONF=$SLURM_CONF"; exit 0; }
