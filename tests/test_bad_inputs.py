@@ -153,7 +153,6 @@ CONFIG_CASES = [
     ("model-beyond-memory", with_key("model.d_model", 1 << 20), ["parameters", "GiB", "model.d_model"]),
     ("layers-beyond-memory", with_key("model.encoder_layers", 10**9), ["parameters", "GiB"]),
     ("precision-fp8", with_key("parallel.precision", "fp8"), ["parallel.precision", "fp16"]),
-    ("precision-fp16-unsupported", with_key("parallel.precision", "fp16"), ["parallel.precision=fp16", "not supported"]),
     ("partition-unknown", with_key("parallel.partition_method", "balanced"), ["parallel.partition_method", "uniform"]),
     ("partition-type-matching-nothing", with_key("parallel.partition_method", "type:Nothing"),
      ["parallel.partition_method", "matches none"]),
@@ -223,9 +222,42 @@ def test_the_good_config_passes_every_check(tmp_path):
     assert cfg.train.lr == 5e-4 and not (tmp_path / "run").exists()
 
 
-def test_prepare_checks_the_device_when_asked_and_refuses_a_changed_resume(tmp_path, capsys):
-    path = write_case(tmp_path, with_key("parallel.precision", "fp16"))
-    assert_one_line_error(*run_cli(["prepare", path, "--check-device"], capsys), ["parallel.precision=fp16"])
+def accelerator_answer(monkeypatch, answer: str) -> bool:
+    """Whether DeepSpeed's accelerator supports fp16: its own answer on this machine ("asked"), or a
+    test double of that one answer ("fp16" / "no fp16": its supported_dtypes with fp16 added or
+    removed; the rest of the accelerator and every check are the real ones). On DeepSpeed's CPU
+    accelerator the answer depends on the processor (oneDNN's fp16 support: AVX512-FP16 or AMX-FP16)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    own = list(accelerator.supported_dtypes())
+    if answer != "asked":
+        dtypes = [d for d in own if d != torch.float16] + ([torch.float16] if answer == "fp16" else [])
+        monkeypatch.setattr(accelerator, "supported_dtypes", lambda: list(dtypes))
+    return torch.float16 in accelerator.supported_dtypes()
+
+
+@pytest.mark.parametrize("answer", ["asked", "fp16", "no fp16"])
+@pytest.mark.parametrize("command", [["train"], ["prepare", "--check-device"]])
+def test_fp16_is_refused_exactly_where_the_accelerator_lacks_it(tmp_path, capsys, no_launch, monkeypatch, answer,
+                                                                   command):
+    """precision: fp16 follows the accelerator's answer: refused with one line naming the key and
+    what it supports where fp16 is missing; where it is there, the config passes the device check
+    and the command stops only at the next check (here a corpus that does not exist)."""
+    supported = accelerator_answer(monkeypatch, answer)
+    cfg = base_config(tmp_path, str(tmp_path / "no-corpus"))
+    cfg["parallel"]["precision"] = "fp16"
+    path = write_case(tmp_path, yaml.safe_dump(cfg))
+    code, out, err = run_cli([command[0], path, *command[1:]], capsys)
+    if supported:
+        assert_one_line_error(code, out, err, ["data.corpus", "no-corpus", "does not exist"])
+    else:
+        assert_one_line_error(code, out, err, ["parallel.precision=fp16", "not supported", "use fp32, bf16"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_prepare_refuses_a_changed_resume(tmp_path, capsys):
     path = write_case(tmp_path, resumed_with({"model": {"heads": 2}}))
     assert_one_line_error(*run_cli(["prepare", path], capsys), ["model.heads: 4 → 2"])
     assert not (tmp_path / "run").exists() and os.listdir(tmp_path / "old") == ["config.json"]

@@ -26,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float,
                         help="fraction of peak the kernels reach, before bubble and communication (default: "
                              "measured per GPU type and model width, planner/devices.py KERNEL_EFFICIENCY)")
-    parser.add_argument("--global-batch-tokens", type=int, default=2**20,
-                        help="target tokens per optimizer step (default 1,048,576)")
+    parser.add_argument("--global-batch-tokens", type=int,
+                        help="target tokens per optimizer step (default: the config's own, data_parallel × "
+                             "micro_batches × max_tokens, in sentences of --seq-len tokens), so that the "
+                             "candidates train the batch the config trains")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
     parser.add_argument("--microbatch-tokens", default="1024,2048,4096,8192",
                         help="target tokens per micro-batch to try, comma-separated")
@@ -90,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args.model, args.sets)
     model = cfg.model
     args.gpus = args.gpus or cfg.world_size
+    if args.global_batch_tokens is None:
+        p, d = cfg.parallel, cfg.data
+        args.global_batch_tokens = p.data_parallel * cfg.train.micro_batches * max(1, d.max_tokens // args.seq_len) * args.seq_len
     from planner.devices import kernel_efficiency
 
     args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)

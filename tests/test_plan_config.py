@@ -1,0 +1,54 @@
+"""`./run.sh plan CONFIG`: the config's own layout priced as a row of the same table, the candidates
+sized to the config's own batch, and the best layout as config keys that load back as that layout."""
+from __future__ import annotations
+
+import os
+import re
+
+import yaml
+
+from tests.bad_inputs import run_cli
+from tests.conftest import ROOT
+
+DEFAULT = os.path.join(ROOT, "configs", "default.yaml")
+
+
+def test_plan_prices_the_configs_own_layout_and_prints_the_best_as_keys(capsys, tmp_path):
+    from launcher.commands.plan import load_run_config
+    from planner.devices import device, kernel_efficiency
+    from planner.planner import plan
+    from planner.report import config_layout
+    from trainer.config import load_config
+
+    code, out, err = run_cli(["plan", DEFAULT, "--gpu", "a100-80gb"], capsys)
+    assert code == 0, err
+    cfg = load_config(DEFAULT)
+    # no --gpus: the config's pp × tp × dp; no --global-batch-tokens: its own batch,
+    # data_parallel 1 × micro_batches 4 × (max_tokens 1024 // 32) sentences × 32 target tokens
+    assert " on 2 × A100-SXM4-80GB " in out and "global batch 4,096 target tokens." in out
+
+    own = config_layout(cfg.parallel, cfg.train, cfg.data.max_tokens, 32, cfg.parallel.precision)
+    assert own.describe() == "pp2·tp1·dp1 m=4 mb=32×(32+32) no-ac fp32"
+    model = load_run_config(DEFAULT, []).model
+    priced = plan(model, own, device("a100-80gb"), kernel_efficiency("a100-80gb", model.d_model)[0])
+    row = next(line for line in out.splitlines() if line.startswith("| config: "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == f"config: {own.describe()}"
+    assert cells[1] == f"{priced.peak_bytes / 2**30:.1f}" and cells[4] == f"{priced.tokens_per_s:,.0f}"
+
+    # the snippet: valid YAML whose keys, set on the config, give the best layout of the table
+    snippet = yaml.safe_load(out.split("```yaml\n")[1].split("```")[0])
+    best = re.search(r"^Best: (.+?) — ", out, re.M).group(1)
+    flags = re.search(r"^or on the command line: (.+)$", out, re.M).group(1).split()
+    sets = flags[1::2]
+    assert flags[0::2] == ["--set"] * len(sets)
+    assert sorted(sets) == sorted(f"{s}.{k}={v}" for s, keys in snippet.items() for k, v in keys.items())
+    laid_out = load_config(DEFAULT, sets=sets)
+    again = config_layout(laid_out.parallel, laid_out.train, laid_out.data.max_tokens, 32, laid_out.parallel.precision)
+    assert again.describe() == best
+
+    # --set reaches the own row
+    code, out, err = run_cli(["plan", DEFAULT, "--gpu", "a100-80gb", "--gpus", "8", "--set",
+                              "parallel.pipeline_stages=1", "--set", "parallel.data_parallel=4"], capsys)
+    assert code == 0, err
+    assert "| config: pp1·tp1·dp4 m=4 " in out and "- It uses 4 GPUs, not the 8 planned for." in out
