@@ -226,16 +226,27 @@ def test_the_good_corpus_passes_the_checks(tmp_path):
 # ---- the real command line, a representative subset -------------------------------------------
 
 def test_real_cli_refuses_bad_inputs_without_starting_ranks(tmp_path):
-    """`./run.sh train` and `./run.sh prepare` as a user runs them, two at a time."""
+    """`./run.sh train` and `./run.sh prepare` as a user runs them, two at a time. fp16 follows the
+    answer of the accelerator the command will ask (DeepSpeed's, as in conftest; its CPU accelerator
+    supports fp16 on some processors only): refused where it lacks fp16, else the config passes the
+    device check and stops at the next one, its missing corpus (tests/test_bad_inputs.py also
+    covers the other answer with a test double)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
     corpus = good_corpus(tmp_path)
     remove_dev(corpus)
     utf16 = good_corpus(tmp_path / "u")
     encoded("utf-16")(utf16)
+    fp16 = base_config(tmp_path / "fp16", str(tmp_path / "no-corpus"))
+    fp16["parallel"]["precision"] = "fp16"
+    fp16_words = (["data.corpus", "no-corpus"] if torch.float16 in get_accelerator().supported_dtypes()
+                  else ["parallel.precision=fp16", "not supported"])
     cases = []
     for name, content, command, words in [
         ("empty", "", "train", ["empty"]),
         ("heads", with_key("model.heads", 0), "train", ["model.heads"]),
-        ("fp16", with_key("parallel.precision", "fp16"), "train", ["parallel.precision=fp16"]),
+        ("fp16", yaml.safe_dump(fp16), "train", fp16_words),
         ("proc", with_key("run_dir", "/proc/deepnet-run"), "prepare", ["run_dir", "/proc"]),
         ("nodev", yaml.safe_dump(base_config(tmp_path / "nodev", corpus)), "prepare", ["no dev split"]),
         ("utf16", yaml.safe_dump(base_config(tmp_path / "utf16", utf16)), "train", ["UTF-16"]),
