@@ -210,8 +210,8 @@ if [ "$preempted" = 0 ]; then
       kill -KILL "$train_pid" 2>/dev/null
       fault_since=$((now + 3600))  # said once
     fi
-  done
-  wait "$train_pid" 2>/dev/null; rc=$?  # (bash's own "Killed" line is not needed)
+  done 2>/dev/null  # (bash's own "Killed" line for srun is not needed)
+  wait "$train_pid" 2>/dev/null; rc=$?
 else
   rc=1
 fi

@@ -18,8 +18,10 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -287,16 +289,32 @@ def cluster(tmp_path_factory):
         subprocess.run(["bash", os.path.join(SCRIPTS, "stop.sh"), state], timeout=120)
 
 
-def submit(env: dict, run_dir: str, data_dir: str) -> str:
+def submit(env: dict, run_dir: str, data_dir: str, config: str = CONFIG, partition: str = "test",
+           script_values: dict | None = None) -> str:
+    """`./run.sh slurm CONFIG --submit`; with `script_values`, the script's variables of that name are
+    set first (e.g. FAULT_GRACE) and the script is submitted with sbatch."""
     # The job's data step must find the session's corpus up to date, not rebuild it in place.
-    assert load_config(CONFIG).data == DataConfig(**TINY_DATA), "configs/slurm-tiny.yaml data ≠ TINY_DATA"
+    assert load_config(config).data == DataConfig(**TINY_DATA), f"{config} data ≠ TINY_DATA"
     os.makedirs(run_dir)
     os.symlink(data_dir, os.path.join(run_dir, "data"))  # the session's prepared tiny corpus
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", CONFIG, "--nodes", "2",
-                           "--gpus-per-node", "0", "--run-dir", run_dir, "--submit"],
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", config, "--nodes", "2",
+                           "--gpus-per-node", "0", "--partition", partition, "--run-dir", run_dir,
+                           *([] if script_values else ["--submit"])],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if script_values:
+        script = os.path.join(run_dir, "slurm", "job.sbatch")
+        text = open(script).read()
+        for name, value in script_values.items():
+            text, n = re.subn(rf"^{name}=\S+$", f"{name}={value}", text, flags=re.M)
+            assert n == 1, name
+        with open(script, "w") as f:
+            f.write(text)
+        proc = subprocess.run(["sbatch", "--parsable", script], env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip().split(";")[0]
     found = re.search(r"submitted job (\d+)", proc.stdout)
-    assert proc.returncode == 0 and found, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
     return found.group(1)
 
 
@@ -307,8 +325,8 @@ def job_info(env: dict, job: str) -> dict:
 
 
 def log_of(run_dir: str, job: str) -> str:
-    path = os.path.join(run_dir, "slurm", "logs", f"slurm-tiny-{job}.out")
-    return open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    found = glob.glob(os.path.join(run_dir, "slurm", "logs", f"*-{job}.out"))
+    return open(found[0], encoding="utf-8", errors="replace").read() if found else ""
 
 
 def wait_until_ended(env: dict, job: str, run_dir: str, restarts: int = 0, timeout: float = 600) -> dict:
@@ -335,12 +353,138 @@ def losses(run_dir: str) -> list[tuple[int, float]]:
         return [(int(row[0]), float(row[1])) for row in csv.reader(f) if row[0] != "step"]
 
 
+# ---- faults injected into running jobs (C and D), each from a thread of its own ---------------------
+
+FAULT_CONFIG = {"max_steps": 40, "save_interval": 5, "valid_interval": 1, "collective_timeout_seconds": 20}
+"""Jobs C and D: slurm-tiny's model, data and optimizer (so their losses are job A's), 40 steps,
+a checkpoint every 5 and validation after every step (a fault after a step's line lands in its
+validation or checkpoint save), and a collective timeout of 20 s."""
+KILL_WAIT = 10  # tests/slurm/start.sh: SLURM's KillWait, srun's SIGTERM-to-SIGKILL
+FAULT_GRACE = 15  # job D's script: srun ended this long after the fault report
+
+
+def fault_config(path: str, run_dir: str) -> str:
+    import yaml
+
+    values = yaml.safe_load(open(CONFIG))
+    values["run_dir"] = run_dir
+    values["train"].update(FAULT_CONFIG)
+    with open(path, "w") as f:
+        yaml.safe_dump(values, f)
+    return path
+
+
+def attempt_log(run_dir: str, job: str, attempt: int) -> str:
+    """The part of the job's log written by its start number `attempt` (to the next start)."""
+    parts = re.split(rf"^\S+ job {job} start (\d+) ", log_of(run_dir, job), flags=re.M)
+    found = [parts[i + 1] for i in range(1, len(parts) - 1, 2) if parts[i] == str(attempt)]
+    return found[-1] if found else ""
+
+
+def wait_in_log(run_dir: str, job: str, attempt: int, pattern: str, timeout: float = 600) -> float:
+    """Poll (10 ms) until attempt `attempt` of the job logged `pattern`; the monotonic time seen."""
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, attempt_log(run_dir, job, attempt), flags=re.M):
+        assert time.monotonic() < deadline, f"job {job} attempt {attempt}: no {pattern!r}:\n{log_of(run_dir, job)[-4000:]}"
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def rank_beat(run_dir: str, rank: int, launch: str, timeout: float = 600) -> dict:
+    """Rank `rank`'s heartbeat record of `launch` (its PID and node) once it exists."""
+    from parallel import heartbeat
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(heartbeat.rank_path(run_dir, rank)) as f:
+                record = json.load(f)
+            if record["launch"] == launch:
+                return record
+        except (OSError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"no heartbeat of rank {rank} in launch {launch}"
+        time.sleep(0.05)
+
+
+def node_processes(node: str) -> dict:
+    """Every process of fake node `node`, by process: its slurmd, its job steps' slurmstepd and their
+    tasks; the values are their command lines."""
+    import psutil
+
+    found = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = p.info["cmdline"] or []
+            if cmd[:4] == ["slurmd", "-D", "-N", node] or p.environ().get("SLURMD_NODENAME") == node:
+                found[p] = " ".join(cmd)
+                parent = p.parent()
+                if parent is not None and "slurmstepd" in " ".join(parent.cmdline()):
+                    found[parent] = " ".join(parent.cmdline())
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def inject_c(env: dict, job: str, run_dir: str, out: dict) -> None:
+    """Job C: attempt 0 loses rank 1 (SIGKILL) right after step 10's validation (in its checkpoint
+    save); attempt 1 has rank 1 hang (SIGSTOP) after step 22's line; attempt 2 finishes."""
+    for attempt, (pattern, sig) in enumerate(((r"^.*step 10 \| valid loss", signal.SIGKILL),
+                                              (r"^.*step 22 \| loss", signal.SIGSTOP))):
+        beat = rank_beat(run_dir, 1, f"{job}.{attempt}")
+        wait_in_log(run_dir, job, attempt, pattern)
+        os.kill(beat["pid"], sig)
+        fault = time.monotonic()
+        ended = wait_in_log(run_dir, job, attempt, rf"requeueing job {job} after a fault")
+        out[attempt] = {"pid": beat["pid"], "node": beat["node"], "seconds": ended - fault}
+
+
+def inject_d(env: dict, job: str, run_dir: str, out: dict) -> None:
+    """Job D: attempt 0 loses rank 1's whole node (slurmd, slurmstepd, the rank: SIGKILL) after
+    step 13's line; the test then sets the node DOWN. Attempt 1, on the spare node, loses rank 1 at
+    the same step again: the job stops."""
+    beat = rank_beat(run_dir, 1, f"{job}.0")
+    victims = node_processes(beat["node"])
+    wait_in_log(run_dir, job, 0, r"^.*step 13 \| loss")
+    for p in victims:
+        p.kill()
+    fault = time.monotonic()
+    ended = wait_in_log(run_dir, job, 0, rf"requeueing job {job} after a fault")
+    out[0] = {"pid": beat["pid"], "node": beat["node"], "seconds": ended - fault, "killed": sorted(victims.values())}
+    subprocess.run(["scontrol", "update", f"nodename={beat['node']}", "state=down", "reason=lost in a test"],
+                   env=env, check=True, timeout=60)
+    beat = rank_beat(run_dir, 1, f"{job}.1")
+    wait_in_log(run_dir, job, 1, r"^.*step 13 \| loss")
+    os.kill(beat["pid"], signal.SIGKILL)
+    fault = time.monotonic()
+    ended = wait_in_log(run_dir, job, 1, r"training stopped and is not requeued")
+    out[1] = {"pid": beat["pid"], "node": beat["node"], "seconds": ended - fault}
+
+
 @pytest.fixture(scope="module")
 def jobs(cluster, tiny_data, tmp_path_factory):
-    """Submit A and B together; preempt B once its training has begun."""
+    """Submit A, B, C and D together; preempt B once its training has begun; C's and D's faults are
+    injected by threads while the test waits for B."""
     work = tmp_path_factory.mktemp("slurm-jobs")
-    runs = {"A": str(work / "plain"), "B": str(work / "preempted")}
-    ids = {name: submit(cluster, run_dir, tiny_data) for name, run_dir in runs.items()}
+    runs = {"A": str(work / "plain"), "B": str(work / "preempted"), "C": str(work / "faults"),
+            "D": str(work / "nodeloss")}
+    ids = {name: submit(cluster, runs[name], tiny_data) for name in ("A", "B")}
+    ids["C"] = submit(cluster, runs["C"], tiny_data, fault_config(str(work / "c.yaml"), runs["C"]), "faults")
+    ids["D"] = submit(cluster, runs["D"], tiny_data, fault_config(str(work / "d.yaml"), runs["D"]), "nodeloss",
+                      {"FAULT_GRACE": FAULT_GRACE})
+    injected = {"C": {}, "D": {}}
+
+    def run(inject, name):
+        try:
+            inject(cluster, ids[name], runs[name], injected[name])
+        except BaseException as e:  # the test reads it: a fault not injected is a failure, not a hang
+            injected[name]["error"] = f"{type(e).__name__}: {e}"
+            subprocess.run(["scancel", ids[name]], env=cluster, timeout=60)
+
+    threads = {name: threading.Thread(target=run, args=(inject, name), daemon=True)
+               for name, inject in (("C", inject_c), ("D", inject_d))}
+    for thread in threads.values():
+        thread.start()
     deadline = time.monotonic() + 600
     while "step 1 |" not in log_of(runs["B"], ids["B"]):
         state = job_info(cluster, ids["B"]).get("JobState")
@@ -349,11 +493,11 @@ def jobs(cluster, tiny_data, tmp_path_factory):
         time.sleep(0.2)
     # Exactly what SLURM does for --signal=B:USR1@T when the time limit nears.
     subprocess.run(["scancel", "--signal=USR1", "--batch", ids["B"]], env=cluster, check=True, timeout=60)
-    return cluster, ids, runs
+    return cluster, ids, runs, threads, injected
 
 
 def test_generated_job_trains_pp2_across_two_nodes_with_reference_losses(jobs):
-    env, ids, runs = jobs
+    env, ids, runs = jobs[:3]
     job, run_dir = ids["A"], runs["A"]
     info = wait_until_ended(env, job, run_dir)
     log = log_of(run_dir, job)
@@ -374,7 +518,7 @@ def test_generated_job_trains_pp2_across_two_nodes_with_reference_losses(jobs):
 
 
 def test_preempted_job_checkpoints_requeues_and_resumes_with_identical_losses(jobs):
-    env, ids, runs = jobs
+    env, ids, runs = jobs[:3]
     job, run_dir = ids["B"], runs["B"]
     info = wait_until_ended(env, job, run_dir, restarts=1)
     log = log_of(run_dir, job)
@@ -403,3 +547,99 @@ def test_preempted_job_checkpoints_requeues_and_resumes_with_identical_losses(jo
     wait_until_ended(env, ids["A"], runs["A"])
     plain = losses(runs["A"])
     assert [loss for _, loss in got] == pytest.approx([loss for _, loss in plain], rel=1e-6)
+
+
+def committed_steps(run_dir: str) -> list[int]:
+    from parallel import manifest
+
+    return sorted(int(tag[4:]) for tag in manifest.committed_tags(os.path.join(run_dir, "checkpoints")))
+
+
+def test_lost_and_hung_ranks_are_named_the_job_requeues_and_resumes_with_identical_losses(jobs):
+    """Job C: rank 1 SIGKILLed in step 10's checkpoint save, then SIGSTOPped after step 22. Each
+    time one line names it (rank, node, PID; died / stopped responding), the attempt ends within a
+    bound, the job requeues itself, and the run ends with job A's loss at every step."""
+    env, ids, runs, threads, injected = jobs
+    job, run_dir = ids["C"], runs["C"]
+    info = wait_until_ended(env, job, run_dir, restarts=2)
+    threads["C"].join(60)
+    log = log_of(run_dir, job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "2", log[-4000:]
+    faults = injected["C"]
+    assert set(faults) == {0, 1}, (faults, log[-4000:])
+    assert "Traceback" not in log
+    for attempt, how in ((0, r"died: its connection closed and its heartbeat stopped \d+ s ago"),
+                         (1, r"stopped responding: no heartbeat for \d+ s and no answer within "
+                             r"train.collective_timeout_seconds=20 \(a hung or stopped process, or its node or network "
+                             r"is gone\)")):
+        part, lost = attempt_log(run_dir, job, attempt), faults[attempt]
+        named = [line for line in part.splitlines() if line.startswith("error: rank ")]
+        assert len(named) == 1, part[-3000:]  # one line for the job, by the first survivor
+        assert re.fullmatch(rf"error: rank 0 \(node\d\): lost rank 1 on {lost['node']} \(PID {lost['pid']}\) "
+                            rf"(in|after) step \d+ \(\w[\w ]*\): {how}; stopping, the last committed checkpoint is kept",
+                            named[0]), named[0]
+        assert f"fault {attempt + 1} of job {job} (at most 3 requeued): requeueing" in part
+    # fault → end of the attempt (its requeue line): SIGKILL: the survivor's connection closes at
+    # once, it watches the heartbeats for DIAGNOSE_WAIT (5 s), srun ends the step within KillWait
+    # (10 s); SIGSTOP: the collective times out first (20 s). 20 s more for the job script's steps
+    # (launcher.faults, scontrol) on 2 cores shared by four jobs.
+    print(f"\njob C: fault → attempt end: SIGKILL {faults[0]['seconds']:.1f} s, SIGSTOP {faults[1]['seconds']:.1f} s",
+          file=sys.__stderr__)
+    assert faults[0]["seconds"] < 5 + KILL_WAIT + 20
+    assert 20 <= faults[1]["seconds"] < 20 + 5 + KILL_WAIT + 20
+    # No checkpoint committed from a step rank 1 did not finish: each attempt resumed from one it
+    # had completed (verified against its manifest), and the last start found all of them intact.
+    for attempt, line in ((1, faults[0]), (2, faults[1])):
+        resumed = re.search(rf"resumed from {re.escape(run_dir)}/checkpoints/step(\d+) at step \d+ \(verified\)",
+                            attempt_log(run_dir, job, attempt))
+        assert resumed, attempt_log(run_dir, job, attempt)[-3000:]
+    assert "damaged" not in log and committed_steps(run_dir)[-1] == FAULT_CONFIG["max_steps"]
+    # Every step once, with the uninterrupted job A's losses.
+    got = losses(run_dir)
+    assert [step for step, _ in got] == list(range(1, FAULT_CONFIG["max_steps"] + 1))
+    wait_until_ended(env, ids["A"], runs["A"])
+    plain = losses(runs["A"])[:FAULT_CONFIG["max_steps"]]
+    assert [loss for _, loss in got] == pytest.approx([loss for _, loss in plain], rel=1e-6)
+    state = json.load(open(os.path.join(run_dir, "slurm", "faults.json")))
+    assert [(f["kind"], f["ranks"], f["nodes"]) for f in state["faults"]] == [
+        ("died", [1], [faults[0]["node"]]), ("unresponsive", [1], [faults[1]["node"]])]
+
+
+def test_a_lost_node_is_replaced_and_a_fault_recurring_at_one_step_stops_the_job(jobs):
+    """Job D: rank 1's node is lost whole (its slurmd, slurmstepd and rank SIGKILLed) after step 13:
+    the survivor names it, srun (waiting for that node) is ended FAULT_GRACE s later, the job
+    requeues itself, the node is set DOWN and the job resumes on the spare node; there rank 1 is
+    lost again at step 13: the job stops with a message instead of requeueing."""
+    env, ids, runs, threads, injected = jobs
+    job, run_dir = ids["D"], runs["D"]
+    info = wait_until_ended(env, job, run_dir, restarts=1)
+    threads["D"].join(60)
+    log = log_of(run_dir, job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0" and info["Restarts"] == "1", log[-4000:]
+    faults = injected["D"]
+    assert set(faults) == {0, 1}, (faults, log[-4000:])
+    lost = faults[0]["node"]
+    assert any(k.startswith(f"slurmd -D -N {lost}") for k in faults[0]["killed"]), faults[0]
+    assert "Traceback" not in log
+    first, second = attempt_log(run_dir, job, 0), attempt_log(run_dir, job, 1)
+    named = [line for line in first.splitlines() if line.startswith("error: rank ")]
+    assert len(named) == 1 and re.match(rf"error: rank 0 \(node\d\): lost rank 1 on {lost} \(PID {faults[0]['pid']}\) "
+                                        r"after step 13 \(\w[\w ]*\): died", named[0]), first[-3000:]
+    assert f"srun still running {FAULT_GRACE} s after the ranks stopped" in first
+    # The replacement: the second start runs on the surviving node and the spare, not the lost one.
+    start = re.search(rf"job {job} start 1 on (\S+),", log).group(1)
+    assert lost not in subprocess.run(["scontrol", "show", "hostnames", start], env=env, capture_output=True,
+                                      text=True, timeout=60).stdout.split()
+    assert faults[1]["node"] != lost
+    assert re.search(r"resumed from \S+/checkpoints/step(5|10) at step (5|10) \(verified\)", second), second[-3000:]
+    stop = [line for line in second.splitlines() if "error: the same step failed 2 times" in line]
+    assert len(stop) == 1 and f"in job {job} (attempts 0, 1; after step 13 (" in stop[0], second[-3000:]
+    assert "requeueing" not in second
+    with open(os.path.join(run_dir, "stopped.json")) as f:
+        assert json.load(f)["code"] == 1
+    print(f"\njob D: node lost → attempt end {faults[0]['seconds']:.1f} s; recurring fault → job end "
+          f"{faults[1]['seconds']:.1f} s", file=sys.__stderr__)
+    # The node: the survivor's line (DIAGNOSE_WAIT 5 s), then FAULT_GRACE before srun is ended,
+    # the script's check every 2 s; the recurring fault: as job C's SIGKILL. 20 s for the script.
+    assert faults[0]["seconds"] < 5 + FAULT_GRACE + 2 + 20
+    assert faults[1]["seconds"] < 5 + KILL_WAIT + 20
