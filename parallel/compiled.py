@@ -61,6 +61,15 @@ def _backend(kind: str):
     return _backends[kind]
 
 
+def compile_enabled(setting: str) -> bool:
+    """train.compile: on | off | auto (on where a GPU runs the layers)."""
+    if setting == "auto":
+        from parallel import accelerator
+
+        return not accelerator.on_host()
+    return setting == "on"
+
+
 def configure() -> None:
     """Dynamo settings for one graph per layer kind over all shapes (see the module docstring)."""
     torch._dynamo.config.specialize_float = True

@@ -31,10 +31,16 @@ from deepspeed import comm as ds_comm
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from parallel import optimizer as flat
+from parallel.pipe_io import MessageIO
 
 
-class TrainerEngine(PipelineEngine):
+class TrainerEngine(MessageIO, PipelineEngine):
     """PipelineEngine with FlatOptimizer (module docstring)."""
+
+    folds_deferred_gradients = False
+    """An engine that writes gradients into `.grad` outside a backward pass (zero-bubble's deferred
+    weight gradients) and calls `optimizer.fold_lp_grads()` after each such write sets this True;
+    FlatOptimizer then folds fp32 gradients too instead of handing out the buffer's views."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

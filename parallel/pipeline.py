@@ -178,6 +178,13 @@ class TranslationPipe(PipelineModule):
         out = super().forward(forward_input)
         return stage_message(out) if self._local_stop < len(self._plan) else out
 
+    def message_layout(self, src_shape: torch.Size, tgt_shape: torch.Size) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor of the message between stages (the module docstring) for a
+        micro-batch of `src_shape` source and `tgt_shape` target-input tokens."""
+        (b, s), (_, t) = src_shape, tgt_shape
+        dtype = next(self.parameters()).dtype
+        return [((b, s + t, self._cfg.d_model), dtype), ((b, s), torch.int64), ((b, t), torch.int64)]
+
     def train(self, mode: bool = True):
         """`nn.Module.train`, skipping the walk over every submodule when this module last set them
         all to `mode`: DeepSpeed's `train_batch` calls `train()` every step (4,705 modules at

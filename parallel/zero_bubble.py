@@ -287,7 +287,7 @@ class ZeroBubbleEngine(TrainerEngine):
 
     def _exec_send_activations(self, buffer_id):
         with self._nonblocking_sends():
-            PipelineEngine._exec_send_activations(self, buffer_id)
+            TrainerEngine._exec_send_activations(self, buffer_id)  # this trainer's sends (parallel/pipe_io.py)
 
     def _exec_send_grads(self, buffer_id):
         with self._nonblocking_sends():
@@ -301,7 +301,7 @@ class ZeroBubbleEngine(TrainerEngine):
         PipelineEngine._exec_reduce_tied_grads(self)
 
     _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
+        **TrainerEngine._INSTRUCTION_MAP,
         ds_schedule.ForwardPass: _exec_forward_pass,
         ds_schedule.BackwardPass: _exec_backward_pass,
         ds_schedule.RecvGrad: _exec_recv_grads,

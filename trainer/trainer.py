@@ -19,7 +19,9 @@ import time
 import torch
 
 from model.norms import set_training_step, step_blocks
-from parallel import heartbeat, manifest, rng
+from parallel import accelerator, heartbeat, manifest, rng
+from parallel.compiled import compile_enabled, compile_layers
+from parallel.compiled import summary as compiled_summary
 from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer, log0
 from trainer.config import RunConfig
@@ -59,9 +61,12 @@ def set_collective_timeout(seconds: float) -> None:
 
 
 def to_pipe(batches: list[dict], scale_num: int, total_tokens: int) -> list[tuple]:
-    """Micro-batches in the pipeline's ((inputs), (labels)) form; see parallel/pipeline.py."""
+    """Micro-batches in the pipeline's ((inputs), (labels)) form; see parallel/pipeline.py. On a
+    GPU in pinned host memory, so that the engine copies them to the device without waiting
+    (parallel/pipe_io.py)."""
     scale = torch.tensor(scale_num / max(total_tokens, 1), dtype=torch.float32)
-    return [((b["src"], b["tgt_in"]), (b["tgt_out"], scale)) for b in batches]
+    pin = (lambda t: t.pin_memory()) if not accelerator.on_host() else (lambda t: t)
+    return [((pin(b["src"]), pin(b["tgt_in"])), (pin(b["tgt_out"]), pin(scale))) for b in batches]
 
 
 class Trainer:
@@ -89,6 +94,11 @@ class Trainer:
         universal = Checkpointer(cfg, layout, None, None).universal()
         self.engine, self.module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir,
                                                 load_universal=universal)
+        self.compiled = compile_enabled(cfg.train.compile)
+        if self.compiled:  # before any forward: the engine's hooks and the checkpoints see the same modules
+            layers = compile_layers(self.module)
+            log0(f"compiling {', '.join(f'{n} {kind} layers' for kind, n in sorted(layers.items()))} on first use "
+                 f"(train.compile={cfg.train.compile}; the first step takes longer, one graph per layer kind)")
         self.checkpoints = Checkpointer(cfg, layout, self.engine, self.module)
         self.ckpt_dir = self.checkpoints.ckpt_dir
         self.guard = DivergenceGuard(self.engine, cfg.train, layout)
@@ -149,10 +159,13 @@ class Trainer:
         mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
         set_training_step(self.step_blocks, self.step)
         heartbeat.at(self.step, "train")
+        self.engine.expect([(inputs[0].shape, inputs[1].shape) for inputs, _ in mine])
         start = time.perf_counter()
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
             loss = self.engine.train_batch(iter(mine))
         elapsed = time.perf_counter() - start
+        if self.compiled and self.step == 0 and self.layout.rank == 0:
+            log0(f"compiled layers: {compiled_summary()} (first step {elapsed:.1f} s)")
         self.step += 1
         heartbeat.at(self.step, "step end")
         set_training_step(self.step_blocks, self.step)
@@ -177,6 +190,7 @@ class Trainer:
             pipe_batches = [(batches[0]["src"], batches[0]["tgt_in"]),
                             (batches[0]["tgt_out"], torch.tensor(0.0))]
             pipe_batches = [tuple(pipe_batches)]
+        self.engine.expect([(inputs[0].shape, inputs[1].shape) for inputs, _ in pipe_batches])
         loss = self.engine.eval_batch(iter(pipe_batches), num_micro_batches=len(pipe_batches))
         return float(loss)
 

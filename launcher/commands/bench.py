@@ -16,18 +16,19 @@ from launcher.launch import DEFAULT_CONFIG, ROOT
 from launcher.options import user_path
 from trainer.config import ConfigError
 
-HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model with torch's operators and with the CPU kernels, hashed dropout and short-sequence attention, steps interleaved); --set KEY=VALUE changes the config of data, train, schedules and startup"
+HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model's training step, eager against compiled, or against another commit's model, steps interleaved), 'bench ops' (kernel operations per layer and per step, host syncs, graph breaks and compilations: what predicts a GPU step's host time); --set KEY=VALUE changes the config of data, train, schedules, startup and ops"
 
 TARGETS = {"data": "bench.data", "train": "bench.layouts", "schedules": "bench.schedules", "startup": "bench.startup",
-           "model": "bench.model"}
+           "model": "bench.model", "ops": "bench.ops"}
 
 # The benchmarks that read a run config: where they take it (a flag, or 0: the first positional
 # argument) and their default.
 CONFIGS = {"data": ("--config", DEFAULT_CONFIG), "train": (0, DEFAULT_CONFIG), "schedules": (0, DEFAULT_CONFIG),
+           "ops": (0, DEFAULT_CONFIG),
            "startup": ("--config", os.path.join(ROOT, "configs", "deepnet-500-500.yaml"))}
 LAUNCHES = {"train", "schedules"}  # prepare the config's data into its run_dir and start ranks
 PATH_FLAGS = {"data": {"--corpus", "--out"}, "train": {"--grid", "--out", "--work-dir"}, "schedules": {"--out"},
-              "model": {"--out"}}
+              "model": {"--out"}, "ops": {"--out"}}
 SWITCHES = {"-h", "--help", "--profile"}  # flags of the benchmarks that take no value
 
 

@@ -1,0 +1,163 @@
+"""Counting what predicts a GPU step's host time on any device: kernel launches and host syncs.
+
+A kernel operation is one launch of device work. Counted, with one rule for eager and compiled
+code alike:
+- every aten operation that reaches the dispatcher (a TorchDispatchMode sees them), except those
+  that launch nothing: allocations (`empty`, `empty_strided`, `new_empty*`, `empty_like`) and
+  operations that write nothing in place and return only tensors sharing storage with an input
+  (view, t, transpose, expand, detach, alias, _unsafe_view, …; checked on the returned tensors);
+- every launch of a kernel inductor generated (`cpp_fused_*` on CPUs, `triton_*` on GPUs), which
+  never reaches the dispatcher: each one in the modules inductor has loaded is wrapped to count.
+Compiled code's vendor calls (matrix products, SDPA, the dropout seed) are aten operations and
+count by the first rule. `dispatched` counts every operation that is not a view by its schema,
+with no other exception: what a plain dispatch-mode count gives.
+
+A host sync is a dispatched operation that reads a tensor's value on the host (`.item()`,
+`bool()`, `.tolist()`, `nonzero`, …): on a GPU each waits for the device. On GPUs
+`torch.cuda.set_sync_debug_mode` sees the others too (copies to pageable host memory).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "new_empty.default", "new_empty_strided.default",
+               "empty_like.default"}
+HOST_READS = {"_local_scalar_dense.default", "is_nonzero.default", "equal.default", "nonzero.default",
+              "masked_select.default", "_unique2.default", "unique_dim.default", "allclose.default",
+              "item.default"}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+def _writes(func) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def _schema_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+class KernelCounter(TorchDispatchMode):
+    """`with KernelCounter() as k:` … → k.kernels, k.dispatched, k.syncs, k.by_op (see module doc).
+
+    Compiled code runs compiled inside it (`ignore_compile_internals`: the mode is off while
+    Dynamo compiles and on while the compiled code runs, so its vendor calls are seen)."""
+
+    _active: list["KernelCounter"] = []
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = self.dispatched = self.syncs = self.generated = 0
+        self.by_op: collections.Counter = collections.Counter()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __enter__(self):
+        _wrap_generated()
+        KernelCounter._active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        KernelCounter._active.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = f"{func.overloadpacket.__name__}.{func._overloadname}"
+        if not _schema_view(func):
+            self.dispatched += 1
+        if name in HOST_READS:
+            self.syncs += 1
+        if self._launches(func, name, args, kwargs, out):
+            self.kernels += 1
+            self.by_op[func.overloadpacket.__name__] += 1
+        return out
+
+    @staticmethod
+    def _launches(func, name: str, args, kwargs, out) -> bool:
+        if name in ALLOCATIONS:
+            return False
+        outs = list(_tensors(out))
+        if not outs:  # in-place operations returning nothing (_foreach_*_, _fused_adamw_) and reads
+            return _writes(func) or name in HOST_READS
+        if _writes(func):
+            return True
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+        return not all(o.untyped_storage().data_ptr() in inputs for o in outs)
+
+    def generated_launch(self, name: str) -> None:
+        self.kernels += 1
+        self.generated += 1
+        self.by_op["(generated)"] += 1
+
+
+def _count_generated(name: str) -> None:
+    for counter in KernelCounter._active:
+        counter.generated_launch(name)
+
+
+def _wrap_generated() -> None:
+    """Wrap every generated kernel of the modules inductor has loaded (once each)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    modules = list(PyCodeCache.modules) + list(getattr(PyCodeCache, "modules_no_attr", {}).values())
+    for module in modules:
+        for name in list(vars(module)):
+            if not name.startswith(("cpp_fused", "triton_", "cpp_kernel")):
+                continue
+            kernel = getattr(module, name)
+            if getattr(kernel, "_deepnet_counted", False):
+                continue
+            if name.startswith("triton_") and hasattr(kernel, "run"):
+                run = kernel.run
+
+                def counted_run(*a, _run=run, _name=name, **k):
+                    _count_generated(_name)
+                    return _run(*a, **k)
+
+                kernel.run = counted_run
+                kernel._deepnet_counted = True
+            elif callable(kernel):
+                def counted(*a, _kernel=kernel, _name=name, **k):
+                    _count_generated(_name)
+                    return _kernel(*a, **k)
+
+                counted._deepnet_counted = True
+                setattr(module, name, counted)
+
+
+@contextlib.contextmanager
+def fused_dropout():
+    """Dropout as on a GPU: torch's fused `native_dropout` (one kernel forward, one backward),
+    which torch takes only for CUDA tensors; on a CPU F.dropout otherwise draws, divides and
+    multiplies in separate kernels. For counting the GPU's path on a CPU."""
+    original = F.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    F.dropout = dropout
+    try:
+        yield
+    finally:
+        F.dropout = original

@@ -1,0 +1,393 @@
+"""`./run.sh bench ops`: what predicts a GPU step's host time, counted on any device.
+
+    ./run.sh bench ops [CONFIG] [--set KEY=VALUE ...] [--batch 16 --src 24 --tgt 20] [--pp 2]
+                       [--skip engine,syncs,compiled] [--out DIR]
+
+On a GPU the trainer's step is bound by the host: its time follows the number of kernels it
+launches and the times it waits for the device, not its FLOPs. Counted here (bench/counting.py
+has the rule), for the model of CONFIG (default configs/default.yaml):
+
+  layers       kernel operations of one forward + backward per layer kind (embedding, encoder,
+               decoder, output + loss), eager and compiled (parallel/compiled.py), on a batch of
+               --batch sentence pairs × (--src + --tgt) tokens with padding; on a CPU with the
+               GPU's fused dropout (bench/counting.py `fused_dropout`)
+  engine       the engine's operations per training step beyond the model (gradient
+               accumulation, clipping, norms, optimizer, bookkeeping) in fp32 and bf16, at pp = 1
+               in this process (parallel/opcount.py)
+  syncs        host syncs per micro-batch and per step of the real trainer at pp = 1 (this
+               process) and at --pp stages (one launch of that many ranks): on a GPU what
+               torch.cuda.set_sync_debug_mode reports, on a CPU the operations that read a value
+  compiled     graph breaks and graphs compiled per layer kind over micro-batches of varying
+               shapes (training, a batch of one, then evaluation), and the seconds compiling took
+
+Prints a table; writes OUT/bench.json (default runs/bench-ops) with the keys
+kernel_ops_per_layer.{embedding,encoder,decoder,output}.{eager,compiled},
+engine_ops_per_step.{fp32,bf16}, syncs_per_microbatch, syncs_per_step, graph_breaks,
+compilations_per_layer_kind (and the details behind each).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+from launcher.launch import DEFAULT_CONFIG, ROOT
+
+MICRO_BATCH_INSTRUCTIONS = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
+                            "SendGrad", "RecvGrad", "WeightPass")
+SHAPES = [(8, 12, 10), (5, 17, 23), (12, 9, 9), (3, 30, 11), (8, 12, 10)]
+"""(sentences, source, target) of the micro-batches the compilation check runs, in order."""
+
+
+def _model(cfg):
+    from model.config import ModelConfig
+
+    model = dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.data.vocab_size)
+    return ModelConfig(**{f.name: getattr(model, f.name) for f in dataclasses.fields(ModelConfig)})
+
+
+def _inputs(model, batch: int, src_len: int, tgt_len: int, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, model.vocab_size, (batch, src_len), generator=g)
+    tgt = torch.randint(4, model.vocab_size, (batch, tgt_len + 1), generator=g)
+    for row in range(0, batch, 2):  # every other sentence padded, by a third
+        src[row, src_len - src_len // 3:] = model.pad_id
+        tgt[row, tgt_len - tgt_len // 3:] = model.pad_id
+    return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
+
+
+class Kinds:
+    """The four layer kinds of a stage as fwd + bwd closures on one batch (plain modules)."""
+
+    def __init__(self, model, batch: int, src_len: int, tgt_len: int):
+        import torch
+
+        from model.layers import padding_mask
+        from model.transformer import build_layer, smoothed_loss_sum
+
+        torch.manual_seed(0)
+        self.model = model
+        self.embed = build_layer(model, "embed").train()
+        self.encoder = build_layer(model, "encoder").train()
+        self.decoder = build_layer(model, "decoder").train()
+        self.src, self.tgt_in, self.tgt_out = _inputs(model, batch, src_len, tgt_len)
+        d = model.d_model
+        self.enc = torch.randn(batch, src_len, d, requires_grad=True)
+        self.dec = torch.randn(batch, tgt_len, d, requires_grad=True)
+        pad = model.pad_id
+
+        def embedding():
+            mask = padding_mask(self.src, pad, self.embed.weight.dtype)
+            return self.embed(self.src), self.embed(self.tgt_in), mask
+
+        def output():
+            logits = self.embed.logits(self.dec)
+            return smoothed_loss_sum(logits, self.tgt_out, pad, model.label_smoothing)
+
+        self.functions = {"embedding": embedding, "encoder": lambda mask: self.encoder(self.enc, mask),
+                          "decoder": lambda mask: self.decoder(self.dec, self.enc, mask), "output": output}
+        self.mask = padding_mask(self.src, pad)
+
+    def step(self, kind: str, function=None, counter=None) -> None:
+        """One forward and backward of `kind` (through `function` when given: a compiled one),
+        counted by `counter` when given. The gradients start from None, as in a step's first
+        micro-batch, and the output gradient is made before counting: neither is the layer's work."""
+        import contextlib
+
+        import torch
+
+        for module in (self.embed, self.encoder, self.decoder):
+            module.zero_grad(set_to_none=True)
+        self.enc.grad = self.dec.grad = None
+        fn = function or self.functions[kind]
+        with counter or contextlib.nullcontext():
+            out = fn(self.mask) if kind in ("encoder", "decoder") else fn()
+        loss = out[0].sum() + out[1].sum() if kind == "embedding" else out
+        grad = torch.ones_like(loss)
+        with counter or contextlib.nullcontext():
+            loss.backward(grad)
+
+
+def count_layers(model, batch: int, src_len: int, tgt_len: int, compiled: bool) -> dict:
+    """Kernel operations of one forward + backward per layer kind, eager and compiled."""
+    import contextlib
+
+    import torch
+
+    from bench.counting import KernelCounter, fused_dropout
+    from parallel import accelerator, compiled as compiling
+
+    kinds = Kinds(model, batch, src_len, tgt_len)
+    out = {}
+    with fused_dropout() if accelerator.on_host() else contextlib.nullcontext():
+        for kind in kinds.functions:
+            kinds.step(kind)  # warm-up: lazy initialisation is not the layer's work
+            eager = KernelCounter()
+            kinds.step(kind, counter=eager)
+            out[kind] = {"eager": eager.kernels, "eager_dispatched": eager.dispatched}
+        if compiled:
+            compiling.configure()
+            for kind, fn in kinds.functions.items():
+                module = {"encoder": kinds.encoder, "decoder": kinds.decoder}.get(kind)
+                function = None
+                if module is not None:
+                    compiling.compile_layers(module)  # the trainer's way (nn.Module.compile)
+                else:
+                    function = torch.compile(fn, dynamic=True)
+                kinds.step(kind, function)  # compiles
+                kinds.step(kind, function)
+                counter = KernelCounter()
+                kinds.step(kind, function, counter)
+                out[kind].update(compiled=counter.kernels, compiled_generated=counter.generated,
+                                 compiled_dispatched=counter.dispatched)
+    return out
+
+
+def compilations(model) -> dict:
+    """Graphs compiled per layer kind and graph breaks over micro-batches of varying shapes in
+    training (fwd + bwd), one of a single sentence (run eagerly), then two in evaluation."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from model.layers import padding_mask
+    from model.transformer import build_layer
+    from parallel import compiled as compiling
+    from parallel.compiled import run_layer
+
+    torch.manual_seed(0)
+    enc_layer, dec_layer = build_layer(model, "encoder"), build_layer(model, "decoder")
+    before = {kind: dict(s) for kind, s in compiling.stats.items()}
+    breaks_before = sum(counters["graph_break"].values())
+    compiling.compile_layers(torch.nn.ModuleList([enc_layer, dec_layer]))
+    start = time.perf_counter()
+    shapes = [*SHAPES, (1, 14, 12)]
+    for training in (True, False):
+        enc_layer.train(training)
+        dec_layer.train(training)
+        for batch, s, t in shapes if training else shapes[:2]:
+            src, _, _ = _inputs(model, batch, s, t)
+            mask = padding_mask(src, model.pad_id)
+            x = torch.randn(batch, s, model.d_model, requires_grad=training)
+            y = torch.randn(batch, t, model.d_model, requires_grad=training)
+            with torch.set_grad_enabled(training):
+                out = run_layer(enc_layer, x, mask).sum() + run_layer(dec_layer, y, x, mask).sum()
+                if training:
+                    out.backward()
+    graphs = {kind: int(compiling.stats[kind]["graphs"] - before.get(kind, {}).get("graphs", 0))
+              for kind in ("encoder", "decoder")}
+    seconds = {kind: round(compiling.stats[kind]["seconds"] - before.get(kind, {}).get("seconds", 0.0), 2)
+               for kind in ("encoder", "decoder")}
+    return {"compilations_per_layer_kind": graphs, "graph_breaks": sum(counters["graph_break"].values()) - breaks_before,
+            "compile_seconds": seconds, "wall_seconds": round(time.perf_counter() - start, 2),
+            "shapes": {"training": shapes, "evaluation": shapes[:2]}}
+
+
+def sync_counts(trainer, steps: int = 2) -> dict:
+    """Host syncs of `steps` training steps of `trainer` on this rank: per micro-batch (inside the
+    pipeline's micro-batch instructions) and per step (everything else of train_step)."""
+    import contextlib
+    import warnings
+
+    import torch
+
+    from bench.counting import KernelCounter
+    from parallel import accelerator
+
+    on_gpu = not accelerator.on_host()
+    in_microbatch = [0]
+    counter = KernelCounter()
+
+    def reads() -> int:
+        return counter.syncs if not on_gpu else len(caught)
+
+    @contextlib.contextmanager
+    def attribute(name, kwargs):
+        if name not in MICRO_BATCH_INSTRUCTIONS:
+            yield
+            return
+        start = reads()
+        yield
+        in_microbatch[0] += reads() - start
+
+    caught: list = []
+    remove = trainer.engine.observe(attribute)
+    try:
+        with warnings.catch_warnings(record=True) as caught_warnings:
+            warnings.simplefilter("always")
+            if on_gpu:
+                torch.cuda.set_sync_debug_mode("warn")
+            caught = caught_warnings
+            with counter:
+                for _ in range(steps):
+                    trainer.train_step()
+            total = reads()
+    finally:
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode("default")
+        remove()
+    m = trainer.cfg.train.micro_batches * steps
+    return {"per_microbatch": in_microbatch[0] / m, "per_step": total / steps,
+            "method": "torch.cuda.set_sync_debug_mode" if on_gpu else "operations reading a value on the host"}
+
+
+def _trainer(cfg, data_dir: str, run_dir: str, pp: int = 1):
+    """A fresh Trainer of `cfg` at `pp` stages (this process is one of its ranks) on prepared data."""
+    import copy
+    import shutil
+
+    import torch
+
+    from trainer.trainer import Trainer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.pipeline_stages, cfg.parallel.data_parallel, cfg.parallel.tensor_parallel = pp, 1, 1
+    cfg.run_dir = run_dir
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        os.makedirs(os.path.join(run_dir, "checkpoints"))
+        os.symlink(os.path.abspath(data_dir), os.path.join(run_dir, "data"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return Trainer(cfg)
+
+
+def syncs_worker(config: str, data_dir: str, work: str, out: str, overrides: list[str]) -> None:
+    """One rank of the --pp launch: warm up, count two steps, rank 0 writes every rank's counts."""
+    import torch
+
+    from parallel.engine import exit_rank
+    from trainer.config import load_config
+
+    cfg = load_config(config, sets=overrides)
+    trainer = _trainer(cfg, data_dir, os.path.join(work, "pp"), cfg.parallel.pipeline_stages)
+    for _ in range(2):
+        trainer.train_step()
+    mine = sync_counts(trainer)
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    exit_rank(0)
+
+
+def _launch_syncs(config: str, pp: int, data_dir: str, work: str, overrides: list[str]) -> list[dict]:
+    import subprocess
+
+    from launcher.launch import deepspeed_command, launch_env
+
+    out = os.path.join(work, f"syncs-pp{pp}.json")
+    sets = [f"parallel.pipeline_stages={pp}", "parallel.data_parallel=1", "parallel.tensor_parallel=1", *overrides]
+    args = [os.path.abspath(config), "--syncs-worker", "--data-dir", data_dir, "--work", work,
+            "--result", out] + [a for s in sets for a in ("--set", s)]
+    env = launch_env(pp)
+    env["OMP_NUM_THREADS"] = "1"
+    log = os.path.join(work, f"syncs-pp{pp}.log")
+    with open(log, "w") as f:
+        code = subprocess.call(deepspeed_command(pp, "bench.ops", args), env=env, cwd=ROOT, stdout=f,
+                               stderr=subprocess.STDOUT)
+    if code != 0 or not os.path.exists(out):
+        raise RuntimeError(f"the pp={pp} launch failed (exit {code}); see {log}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def table(result: dict) -> str:
+    rows = ["| layer kind | eager | compiled |", "|---|---|---|"]
+    for kind, n in result["kernel_ops_per_layer"].items():
+        rows.append(f"| {kind} | {n['eager']} | {n.get('compiled', '—')} |")
+    lines = ["Kernel operations per layer, forward + backward:", "", *rows, ""]
+    if "engine_ops_per_step" in result:
+        e = result["engine_ops_per_step"]
+        lines.append(f"Engine operations per step beyond the model: fp32 {e['fp32']}, bf16 {e['bf16']}")
+    if "syncs_per_microbatch" in result:
+        lines.append(f"Host syncs: {result['syncs_per_microbatch']:g} per micro-batch, {result['syncs_per_step']:g} per "
+                     f"step (worst rank, pp = 1 and pp = {result['syncs']['pp']}; {result['syncs']['method']})")
+    if "graph_breaks" in result:
+        c = result["compilations_per_layer_kind"]
+        lines.append(f"Compiled layers: {result['graph_breaks']} graph breaks; graphs per kind: encoder {c['encoder']}, "
+                     f"decoder {c['decoder']} over {len(SHAPES) + 1} training and 2 evaluation micro-batches "
+                     f"(compiling took {result['compile_seconds']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="run.sh bench ops", description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help="YAML run config (its model and data)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--batch", type=int, default=16, help="sentence pairs per batch of the layer counts (16)")
+    parser.add_argument("--src", type=int, default=24, help="source tokens (24)")
+    parser.add_argument("--tgt", type=int, default=20, help="target tokens (20)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages of the sync count's launch (2; 1: none)")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: engine, syncs, compiled")
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-ops"), help="output folder")
+    parser.add_argument("--syncs-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.syncs_worker:
+        syncs_worker(args.config, args.data_dir, args.work, args.result, args.set)
+    from trainer.config import ConfigError, load_config
+
+    skip = {p for p in args.skip.split(",") if p}
+    unknown = skip - {"engine", "syncs", "compiled"}
+    for flag, value in (("--batch", args.batch), ("--src", args.src), ("--tgt", args.tgt), ("--pp", args.pp)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value}: must be >= 1")
+    if unknown:
+        raise ConfigError(f"--skip {args.skip}: unknown part {sorted(unknown)[0]}; choose from engine, syncs, compiled")
+    cfg = load_config(args.config, sets=args.set)
+    model = _model(cfg)
+    import torch
+
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    result: dict = {"config": args.config, "model": dataclasses.asdict(model),
+                    "batch": {"sentences": args.batch, "source": args.src, "target": args.tgt}}
+    layers = count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip)
+    result["kernel_ops_per_layer"] = layers
+    if "compiled" not in skip:
+        result.update(compilations(model))
+    if not skip >= {"engine", "syncs"}:
+        from data.prepare import prepare_data
+        from parallel.engine import setup_distributed
+
+        data_dir = os.path.join(args.out, "data")
+        prepare_data(cfg.data, data_dir, log=lambda *_: None)
+        setup_distributed()
+        work = os.path.join(args.out, "work")
+        os.makedirs(work, exist_ok=True)
+        if "engine" not in skip:
+            from parallel.opcount import engine_ops_per_step
+
+            one = dataclasses.replace(cfg.parallel, pipeline_stages=1, data_parallel=1, tensor_parallel=1)
+            single = dataclasses.replace(cfg, parallel=one)
+            counts = {p: engine_ops_per_step(single, p, data_dir, os.path.join(work, p)) for p in ("fp32", "bf16")}
+            result["engine_ops_per_step"] = {p: c["beyond_model"] for p, c in counts.items()}
+            result["engine_ops_detail"] = counts
+        if "syncs" not in skip:
+            ranks = [sync_counts(_trainer(cfg, data_dir, os.path.join(work, "pp1")))]
+            if args.pp > 1:
+                ranks += _launch_syncs(args.config, args.pp, data_dir, work, args.set)
+            result["syncs"] = {"pp": args.pp, "ranks": ranks, "method": ranks[0]["method"]}
+            result["syncs_per_microbatch"] = max(r["per_microbatch"] for r in ranks)
+            result["syncs_per_step"] = max(r["per_step"] for r in ranks)
+    text = table(result)
+    print(text)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(text + "\n")
+    print(f"written to {args.out}/bench.json and bench.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
