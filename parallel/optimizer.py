@@ -71,9 +71,9 @@ class FlatOptimizer(BF16_Optimizer):
     """fp32 gradients folded like bf16's after each backward (stolen, then one foreach add)
     instead of accumulated by autograd into the buffer's views (one add per tensor per backward).
     None: folded when the engine runs only DeepSpeed's pipeline instructions, where every gradient
-    is made inside a backward pass; an engine with instructions of its own (parallel/zero_bubble.py's
-    WeightPass writes deferred weight gradients into `.grad` after the step's last fold) gets the
-    views."""
+    is made inside a backward pass, or declares `folds_deferred_gradients` (it calls
+    `fold_lp_grads` after writing gradients outside a backward); otherwise (parallel/zero_bubble.py's
+    WeightPass writes deferred weight gradients into `.grad` after the step's last fold) the views."""
 
     step_gate = None
     """Set by the divergence guard: called as step_gate(norm or None) once per step on every rank;
@@ -143,10 +143,10 @@ class FlatOptimizer(BF16_Optimizer):
                 self._folded = True
             elif not all(map(_is_none, grads)):  # a parameter without gradient: DeepSpeed skips it
                 self._partial = True
-                for j, (hp, g) in enumerate(zip(self._views[i], grads)):
-                    if g is not None:
-                        hp.add_(g)
-                        self.fp32_groups_has_gradients[i][j] = True
+                have = [j for j, g in enumerate(grads) if g is not None]
+                torch._foreach_add_([self._views[i][j] for j in have], [grads[j] for j in have])
+                for j in have:
+                    self.fp32_groups_has_gradients[i][j] = True
             else:
                 continue
             self._hp_clean = False
@@ -329,7 +329,8 @@ def build(engine, client_optimizer) -> FlatOptimizer:
     if fold is None:
         from deepspeed.runtime.pipe.engine import PipelineEngine
 
-        fold = set(getattr(type(engine), "_INSTRUCTION_MAP", {})) <= set(PipelineEngine._INSTRUCTION_MAP)
+        fold = (getattr(engine, "folds_deferred_gradients", False)
+                or set(getattr(type(engine), "_INSTRUCTION_MAP", {})) <= set(PipelineEngine._INSTRUCTION_MAP))
     return FlatOptimizer(client_optimizer, engine.param_names, dtype=dtype, mpu=engine.mpu,
                          clip_grad=engine.gradient_clipping(), partition_group=group,
                          allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler, fold=fold)
