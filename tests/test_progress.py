@@ -94,6 +94,43 @@ def test_a_terminal_gets_a_bar_above_which_the_lines_scroll(tmp_path):
     assert re.search(rf"{STAMP} \| step 90 \| loss 5.0000 .* \| 90/300 30% \| elapsed 0:01:30 \| ETA 0:03:30", shown)
 
 
+def test_a_real_pseudo_terminal_shows_the_bar(tmp_path):
+    """Rank 0's stdout a pseudo-terminal that reports no size (0 × 0, as under `script` or some CI
+    runners; tqdm would then hide its bar): the bar is drawn all the same, 100 columns wide."""
+    import pty
+    import select
+    import sys
+
+    code = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from trainer.progress import Progress
+p = Progress({str(tmp_path)!r}, 0, 10)
+p.start_steps()
+for s in range(1, 11):
+    p.advance(s)
+    if s == 5:
+        p.report(5, 1.0, 1e-3, 1.0, 100.0)
+p.close()
+"""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=slave, stderr=slave, close_fds=True)
+    os.close(slave)
+    out = b""
+    while select.select([master], [], [], 60)[0]:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert proc.wait(timeout=60) == 0
+    text = out.decode()
+    assert re.search(r"\r100%\|█+\| 10/10 \[", text), text[-2000:]
+    assert re.search(rf"{STAMP} \| step 5 \| loss 1.0000 .* \| 5/10 50% \|", text), text[-2000:]
+
+
 def test_metrics_from_outside_the_engine_are_written_as_the_monitors_write_them(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

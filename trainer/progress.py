@@ -11,6 +11,7 @@ are appended to <run_dir>/train.log, which keeps every launch of the run (each b
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import sys
@@ -54,9 +55,11 @@ class Progress:
         if _is_terminal(self.console) and total_steps > first_step:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", file=self.console,
-                            dynamic_ncols=True, smoothing=0, leave=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+            # A terminal that reports no size (a pseudo-terminal without one; tqdm would hide the bar) gets 100 columns.
+            width = {"dynamic_ncols": True} if _columns(self.console) > 0 else {"ncols": 100, "nrows": 20}
+            self.bar = tqdm(total=total_steps, initial=first_step, unit="step", file=self.console, smoothing=0,
+                            leave=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}",
+                            **width)
         self.file_line(f"launch at step {first_step} of {total_steps} on {socket.gethostname()} "
                        f"(PID {os.getpid()})")
 
@@ -119,6 +122,13 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return 0
 
 
 def _is_terminal(stream) -> bool:
