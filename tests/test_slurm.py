@@ -632,7 +632,8 @@ def test_a_lost_node_is_replaced_and_a_fault_recurring_at_one_step_stops_the_job
                                       text=True, timeout=60).stdout.split()
     assert faults[1]["node"] != lost
     assert re.search(r"resumed from \S+/checkpoints/step(5|10) at step (5|10) \(verified\)", second), second[-3000:]
-    stop = [line for line in second.splitlines() if "error: the same step failed 2 times" in line]
+    stop = [line for line in second.splitlines()
+            if re.match(r"\S+ error: the same step failed 2 times", line)]  # (stopped.json's copy follows)
     assert len(stop) == 1 and f"in job {job} (attempts 0, 1; after step 13 (" in stop[0], second[-3000:]
     assert "requeueing" not in second
     with open(os.path.join(run_dir, "stopped.json")) as f:
