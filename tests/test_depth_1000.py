@@ -124,6 +124,12 @@ def adam_tolerance(ref: dict, name: str, betas: tuple[float, float]) -> torch.Te
 
 
 def test_1000_layer_pipeline_losses_and_clipped_norms_equal_single_process(deep_run):
+    """1e-5 relative: a step's loss is a sum of positive per-token terms and the clipped norm the
+    root of a sum of squares; both runs compute the terms with the same fp32 operations on the same
+    data and differ only in how the sums are split and ordered (per stage, per micro-batch, torch's
+    cascaded reductions: an error of a few ulp, ~log2(n)·2⁻²⁴ ≈ 1.2e-6 for n ≈ 745k squares).
+    1e-5 leaves room for that and is far below what a missing or doubled micro-batch, a wrong scale
+    or a wrong clip coefficient change (≥ 1e-2)."""
     _, result, _, ref = deep_run
     assert len(result["loss"]) == STEPS
     for step, (a, b) in enumerate(zip(result["loss"], ref["loss"])):
@@ -185,7 +191,7 @@ def test_alpha_of_every_residual_block_on_every_stage_is_the_paper_formula(deep_
     for stage in result["stages"]:
         seen.update(stage["alphas"])
     assert len(seen) == N + M
-    for i in range(N):
+    for i in range(N):  # rel 1e-12: both sides are the same float64 formula, evaluated in other orders
         assert seen[f"encoder_layers.{i}"] == [pytest.approx(ENC_ALPHA, rel=1e-12)] * 2
     for i in range(M):
         assert seen[f"decoder_layers.{i}"] == [pytest.approx(DEC_ALPHA, rel=1e-12)] * 3
@@ -197,6 +203,9 @@ def _pooled_std_ratio(weights: list[torch.Tensor], gain: float) -> float:
 
 
 def test_init_scale_of_each_stack_at_n_m_500_is_the_paper_beta():
+    # abs 0.02: the relative standard error of a standard deviation estimated from n normal samples
+    # is 1/√(2n) = 0.4% at n = 32k, so 0.02 is 5 standard errors, and a wrong β (DeepNorm's 0.1248
+    # against Xavier's 1) misses by far more.
     # Pooled over the 500 layers of a stack (32k–64k weights per projection), the std is within
     # ~1% of the truth: β_enc = 0.87·(N⁴M)^(−1/16) = 0.1248, β_dec = (12M)^(−1/4) = 0.1136.
     torch.set_num_threads(1)
