@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # deepnet-trainer: the one command.
-#   ./run.sh train [CONFIG]   prepare data and train (default: configs/default.yaml)
+#   ./run.sh train [CONFIG] [--set KEY=VALUE]   prepare data and train (default: configs/default.yaml)
 #   ./run.sh test [PYTEST ARGS]
 #   ./run.sh test-gpu [PYTEST ARGS]   the CUDA suite (tests/gpu; skipped with one line without a GPU)
 # The first call creates .venv from requirements.txt; later calls update it when that file changes.
@@ -67,7 +67,7 @@ case "$cmd" in
       --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
     ;;
   help|-h|--help)
-    sed -n '2,9p' "$0"
+    sed -n '2,10p' "$0"
     exec "$VENV/bin/python" -m launcher.cli --help
     ;;
   *)
