@@ -71,6 +71,14 @@ def test_eta_follows_this_launchs_step_rate_and_the_log_keeps_every_launch(tmp_p
     # the console line and the file line are the same line
     assert line in log
 
+    # a console that is train.log itself (experiments/depth_1000.py sends the ranks' output there):
+    # each line once, the launch line included
+    with open(tmp_path / "train.log", "a") as same:
+        third = Progress(str(tmp_path), 135, 400, console=same, clock=clock)
+        third.report(140, 5.4, 9e-4, 1.1, 4000)
+    log = (tmp_path / "train.log").read_text().splitlines()
+    assert sum("launch at step 135 of 400" in x for x in log) == 1 and sum("| step 140 |" in x for x in log) == 1
+
     # not rank 0: nothing anywhere
     quiet = Progress(str(tmp_path / "other"), 0, 10, enabled=False, console=console, clock=clock)
     quiet.report(5, 1.0, 1e-3, 1.0, 10.0)

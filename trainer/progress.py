@@ -52,10 +52,14 @@ class Progress:
         self.bar = None
         if not enabled:
             return
+        # Output already sent to train.log itself (experiments/depth_1000.py redirects the ranks
+        # there): written once.
+        self.to_file = not _same_file(self.console, os.path.join(run_dir, LOG_NAME))
         if _is_terminal(self.console) and total_steps > first_step:
             from tqdm import tqdm
 
-            # A terminal that reports no size (a pseudo-terminal without one; tqdm would hide the bar) gets 100 columns.
+            # A terminal that reports no size (a pseudo-terminal without one, where tqdm would hide
+            # the bar) gets 100 columns.
             width = {"dynamic_ncols": True} if _columns(self.console) > 0 else {"ncols": 100, "nrows": 20}
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step", file=self.console, smoothing=0,
                             leave=True, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}",
@@ -112,16 +116,29 @@ class Progress:
             self.bar.write(f"{stamp()} | {text}", file=self.console)
         else:
             print(f"{stamp()} | {text}", file=self.console, flush=True)
-        self.file_line(text)
+        if self.to_file:
+            append_log(self.run_dir, text)
 
     def file_line(self, text: str) -> None:
-        if self.enabled:
+        """A line for train.log only (through the console when that is train.log)."""
+        if not self.enabled:
+            return
+        if self.to_file:
             append_log(self.run_dir, text)
+        elif self.bar is None:
+            print(f"{stamp()} | {text}", file=self.console, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _same_file(stream, path: str) -> bool:
+    try:
+        return os.path.samestat(os.fstat(stream.fileno()), os.stat(path))
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
 
 
 def _columns(stream) -> int:
