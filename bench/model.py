@@ -1,6 +1,5 @@
-"""`./run.sh bench model`: the plain model's training step with torch's operators and with the
-project's CPU kernels (model/kernels.py: the hashed dropout and attention for short sequences),
-steps interleaved in one process.
+"""`./run.sh bench model`: the plain model's training step, eager and with compiled layers, steps
+interleaved in one process.
 
     ./run.sh bench model [--model tiny-100-100,base-6-6] [--batch 32 --src 32 --tgt 32]
                          [--warmup 2] [--steps 8] [--threads 1] [--against REV] [--out DIR]
@@ -8,15 +7,13 @@ steps interleaved in one process.
 Per named shape (configs/<name>.yaml's model, its dropout as configured): the plain
 `EncoderDecoder` trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens
 (forward, label-smoothed loss, backward, global-norm clipping at 1, fused AdamW), fp32 on
-`--threads` threads. Two models with the same weights, one per variant ("torch": torch's dropout,
-α·x + dropout(y) as separate ops and torch's attention, the model before the kernels; "kernels":
-the hashed dropout with α·x + dropout(y) in one pass, and model/attention.py's kernel), take steps
-in turn (A, B, A, B, ...), so both see the same load; CPU
-seconds per step (`time.process_time`, steadier than wall time on a shared machine), median over
-the measured steps, target tokens per CPU-second and the speed-up. Then the same at dropout 0
-(every dropout off: the variants differ only in the attention kernel's summation order, so their
-losses must agree to rounding), with the largest relative difference of their losses over the
-measured steps.
+`--threads` threads. Two models with the same weights, "eager" and "compiled" (every encoder and
+decoder layer compiled as train.compile does, parallel/compiled.py; the compilation happens in the
+warm-up steps), take steps in turn (A, B, A, B, ...), so both see the same load; CPU seconds per
+step (`time.process_time`, steadier than wall time on a shared machine), median over the measured
+steps, target tokens per CPU-second and the ratio. Then the same at dropout 0 (the variants differ
+only in the compiler's summation order, so their losses agree to rounding), with the largest
+relative difference of their losses.
 
 `--against REV` adds a third variant: the `model` package as of git revision REV of this
 repository (`git archive`, imported as its own package next to today's), with the same initial
@@ -29,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -47,7 +43,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-VARIANTS = ("torch", "kernels")
+VARIANTS = ("eager", "compiled")
 
 
 class BenchError(Exception):
@@ -68,7 +64,7 @@ def model_at(rev: str, repo: str = REPO):
         raise BenchError(f"--against {rev}: commit {commit} has no model/ package to compare with")
     name = f"model_at_{commit}"
     root = tempfile.mkdtemp(prefix="bench-model-")
-    atexit.register(shutil.rmtree, root, True)  # read until the end: its CPU kernels build on first use
+    atexit.register(shutil.rmtree, root, True)  # read until the end (an old package may load files lazily)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:  # our own repository's files
         tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     package = os.path.join(root, name)
@@ -124,63 +120,33 @@ def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
     transformer module)): CPU seconds and losses per measured step."""
     import torch
 
-    from model.kernels import torch_ops
     from model.transformer import EncoderDecoder
+    from parallel.compiled import compile_layers
 
-    variants = {name: (EncoderDecoder, cfg, None, torch_ops if name == "torch" else contextlib.nullcontext)
-                for name in VARIANTS}
+    variants = {name: (EncoderDecoder, cfg, None) for name in VARIANTS}
     if against is not None:
         commit, old = against
-        variants[commit] = (old.EncoderDecoder, _old_config(old, cfg), old.smoothed_loss_sum, contextlib.nullcontext)
+        variants[commit] = (old.EncoderDecoder, _old_config(old, cfg), old.smoothed_loss_sum)
     runs = {}
-    for name, (build, config, loss_sum, context) in variants.items():
+    for name, (build, config, loss_sum) in variants.items():
         torch.manual_seed(0)  # the same dropout seed stream for all
         model = build(config, seed=1).train()
-        runs[name] = {"model": model, "cfg": config, "loss_sum": loss_sum, "context": context,
+        if name == "compiled":
+            compile_layers(model)
+        runs[name] = {"model": model, "cfg": config, "loss_sum": loss_sum,
                       "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True),
                       "rng": torch.get_rng_state(), "cpu_s": [], "losses": []}
     for i in range(warmup + steps):
         for name, run in runs.items():
             torch.set_rng_state(run["rng"])
-            with run["context"]():
-                start = time.process_time()
-                loss = _step(run["model"], run["optimizer"], batch, run["cfg"], run["loss_sum"])
-                seconds = time.process_time() - start
+            start = time.process_time()
+            loss = _step(run["model"], run["optimizer"], batch, run["cfg"], run["loss_sum"])
+            seconds = time.process_time() - start
             run["rng"] = torch.get_rng_state()
             if i >= warmup:
                 run["cpu_s"].append(seconds)
                 run["losses"].append(loss)
     return {name: {"cpu_s": run["cpu_s"], "losses": run["losses"]} for name, run in runs.items()}
-
-
-def attention_times(cfg, batch: int, src: int, tgt: int, reps: int = 200) -> list[dict]:
-    """One attention call's forward + backward at the shape's sizes (encoder self-attention,
-    decoder causal self-attention, cross-attention), model/attention.py as the model calls it and
-    within `torch_ops()` (torch's SDPA), calls alternated: median CPU microseconds of each."""
-    import torch
-
-    from model.attention import attention
-    from model.kernels import torch_ops
-
-    generator = torch.Generator().manual_seed(7)
-    results = []
-    for kind, tq, tk, causal in (("self", src, src, False), ("causal self", tgt, tgt, True), ("cross", tgt, src, False)):
-        q, k, v = (torch.randn(batch, n, cfg.d_model, generator=generator).requires_grad_() for n in (tq, tk, tk))
-        grad = torch.randn(batch, tq, cfg.d_model, generator=generator)
-        times = {"kernel": [], "torch": []}
-        for i in range(reps + 10):
-            for variant, context in (("kernel", contextlib.nullcontext), ("torch", torch_ops)):
-                q.grad = k.grad = v.grad = None
-                with context():
-                    start = time.process_time()
-                    attention(q, k, v, cfg.heads, None, causal).backward(grad)
-                    seconds = time.process_time() - start
-                if i >= 10:
-                    times[variant].append(seconds * 1e6)
-        kernel, sdpa = statistics.median(times["kernel"]), statistics.median(times["torch"])
-        results.append({"attention": kind, "queries": tq, "keys": tk, "kernel_us": kernel, "torch_us": sdpa,
-                        "speedup": sdpa / kernel})
-    return results
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -205,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from model.kernels import kernels
     from parallel.accelerator import keep_freed_host_memory
     from planner.planner import named_model
 
@@ -217,19 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     kept = keep_freed_host_memory()  # as every training rank does (parallel.engine.setup_distributed)
-    if kernels() is None:
-        print("error: the CPU kernels could not be built (see the warning above)", file=sys.stderr)
-        return 1
     load_before = os.getloadavg()
     names = list(VARIANTS) + ([against[0]] if against else [])
     rows = []
-    attention_rows = []
     for name, cfg in shapes.items():
-        for a in attention_times(cfg, args.batch, args.src, args.tgt):
-            attention_rows.append({"model": name, **a})
-            print(f"{name} attention ({a['attention']}, {args.batch} × {cfg.heads} heads × {a['queries']} × {a['keys']}) "
-                  f"forward + backward: kernel {a['kernel_us']:.0f} µs, torch's SDPA {a['torch_us']:.0f} µs: "
-                  f"{a['speedup']:.2f}x", flush=True)
         generator = torch.Generator().manual_seed(123)
         tokens = torch.randint(4, cfg.vocab_size, (args.batch, args.src + args.tgt + 1), generator=generator)
         batch = {"src": tokens[:, :args.src].contiguous(), "tgt_in": tokens[:, args.src:-1].contiguous(),
@@ -247,17 +203,17 @@ def main(argv: list[str] | None = None) -> int:
             row = {"model": name, "dropout": dropout, "layers": f"{cfg.encoder_layers}L-{cfg.decoder_layers}L",
                    "d_model": cfg.d_model, **{f"{v}_cpu_s": median[v] for v in VARIANTS},
                    **{f"{v}_tokens_per_cpu_s": target / median[v] for v in VARIANTS},
-                   "speedup": median["torch"] / median["kernels"], "steps": result,
-                   "max_rel_loss_diff": _max_rel_diff(result["torch"]["losses"], result["kernels"]["losses"])}
-            line = (f"{name} dropout {dropout}: torch {median['torch']:.3f} CPU-s/step ({row['torch_tokens_per_cpu_s']:.0f} "
-                    f"tgt tok/CPU-s), kernels {median['kernels']:.3f} ({row['kernels_tokens_per_cpu_s']:.0f}): "
+                   "speedup": median["eager"] / median["compiled"], "steps": result,
+                   "max_rel_loss_diff": _max_rel_diff(result["eager"]["losses"], result["compiled"]["losses"])}
+            line = (f"{name} dropout {dropout}: eager {median['eager']:.3f} CPU-s/step ({row['eager_tokens_per_cpu_s']:.0f} "
+                    f"tgt tok/CPU-s), compiled {median['compiled']:.3f} ({row['compiled_tokens_per_cpu_s']:.0f}): "
                     f"{row['speedup']:.3f}x; losses differ by ≤ {row['max_rel_loss_diff']:.1e} (relative)")
             if against:
                 commit = against[0]
                 row["against"] = {"commit": commit, "cpu_s": median[commit], "tokens_per_cpu_s": target / median[commit],
-                                  "speedup": median[commit] / median["kernels"],
-                                  "max_rel_loss_diff": _max_rel_diff(result[commit]["losses"], result["kernels"]["losses"])}
-                line += (f"; {commit} {median[commit]:.3f} ({row['against']['tokens_per_cpu_s']:.0f}): today "
+                                  "speedup": median[commit] / median["eager"],
+                                  "max_rel_loss_diff": _max_rel_diff(result[commit]["losses"], result["eager"]["losses"])}
+                line += (f"; {commit} {median[commit]:.3f} ({row['against']['tokens_per_cpu_s']:.0f}): today eager "
                          f"{row['against']['speedup']:.3f}x, losses differ by ≤ {row['against']['max_rel_loss_diff']:.1e}")
             rows.append(row)
             print(line, flush=True)
@@ -267,31 +223,25 @@ def main(argv: list[str] | None = None) -> int:
              f"(median); load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; freed host memory "
              f"{'kept for reuse' if kept else 'returned to the system (glibc defaults)'}.", ""]
-    header = ("| model | dropout | torch CPU s | kernels CPU s | torch tgt tok/CPU-s | kernels tgt tok/CPU-s | speed-up "
+    header = ("| model | dropout | eager CPU s | compiled CPU s | eager tgt tok/CPU-s | compiled tgt tok/CPU-s | speed-up "
               "| max relative loss difference |")
     if against:
         commit = against[0]
-        header += (f" {commit} CPU s | {commit} tgt tok/CPU-s | today over {commit} "
+        header += (f" {commit} CPU s | {commit} tgt tok/CPU-s | today's eager over {commit} "
                    f"| max relative loss difference to {commit} |")
     lines += [header, "|---" * (12 if against else 8) + "|"]
     for r in rows:
-        line = (f"| {r['model']} ({r['layers']} d={r['d_model']}) | {r['dropout']} | {r['torch_cpu_s']:.3f} "
-                f"| {r['kernels_cpu_s']:.3f} | {r['torch_tokens_per_cpu_s']:.0f} | {r['kernels_tokens_per_cpu_s']:.0f} "
+        line = (f"| {r['model']} ({r['layers']} d={r['d_model']}) | {r['dropout']} | {r['eager_cpu_s']:.3f} "
+                f"| {r['compiled_cpu_s']:.3f} | {r['eager_tokens_per_cpu_s']:.0f} | {r['compiled_tokens_per_cpu_s']:.0f} "
                 f"| {r['speedup']:.3f} | {r['max_rel_loss_diff']:.1e} |")
         if against:
             a = r["against"]
             line += f" {a['cpu_s']:.3f} | {a['tokens_per_cpu_s']:.0f} | {a['speedup']:.3f} | {a['max_rel_loss_diff']:.1e} |"
         lines.append(line)
-    lines += ["", "One attention call, forward + backward (model/attention.py against torch's SDPA, alternated, "
-              "median CPU µs):", "", "| model | attention | queries × keys | kernel µs | SDPA µs | speed-up |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {a['model']} | {a['attention']} | {a['queries']} × {a['keys']} | {a['kernel_us']:.0f} "
-              f"| {a['torch_us']:.0f} | {a['speedup']:.2f} |" for a in attention_rows]
     with open(os.path.join(args.out, "model.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(args.out, "model.json"), "w") as f:
-        json.dump({"args": vars(args), "load_before": load_before, "rows": rows, "attention": attention_rows}, f,
-                  indent=1)
+        json.dump({"args": vars(args), "load_before": load_before, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}/model.md, {args.out}/model.json")
     return 0
 
