@@ -111,4 +111,6 @@ def engine_ops_per_step(cfg, precision: str, data_dir: str, run_dir: str, step: 
         trainer.train_step()
     out = count_step(trainer)
     out["optimizer_class"] = type(trainer.engine.optimizer).__name__
+    out["tensors"] = sum(1 for p in trainer.module.parameters() if p.requires_grad)
+    out["micro_batches"] = cfg.train.micro_batches
     return out
