@@ -129,9 +129,13 @@ _current: Heartbeat | None = None
 
 
 def start(run_dir: str) -> Heartbeat:
-    """Start this rank's beats (once per process; RANK and WORLD_SIZE as torch.distributed has them).
+    """Start this rank's beats (once per process and run directory; RANK and WORLD_SIZE as
+    torch.distributed has them).
     Rank 0 removes the fault reports of earlier launches (the job script has read them)."""
     global _current
+    if _current is not None and _current.run_dir != run_dir:  # another run in this process (tests)
+        _current.stopped = True
+        _current = None
     if _current is None:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         _current = Heartbeat(run_dir, rank, world).start()
