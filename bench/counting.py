@@ -13,8 +13,9 @@ count by the first rule. `dispatched` counts every operation that is not a view 
 with no other exception: what a plain dispatch-mode count gives.
 
 A host sync is a dispatched operation that reads a tensor's value on the host (`.item()`,
-`bool()`, `.tolist()`, `nonzero`, …): on a GPU each waits for the device. On GPUs
-`torch.cuda.set_sync_debug_mode` sees the others too (copies to pageable host memory).
+`bool()`, `.tolist()`, `nonzero`, …): on a GPU each waits for the device. On GPUs the sync
+debug mode (parallel/accelerator.py `warn_on_sync`) sees the others too (copies to pageable host
+memory).
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ has the rule), for the model of CONFIG (default configs/default.yaml):
                accumulation, clipping, norms, optimizer, bookkeeping) in fp32 and bf16, at pp = 1
                in this process (parallel/opcount.py)
   syncs        host syncs per micro-batch and per step of the real trainer at pp = 1 (this
-               process) and at --pp stages (one launch of that many ranks): on a GPU what
-               torch.cuda.set_sync_debug_mode reports, on a CPU the operations that read a value
+               process) and at --pp stages (one launch of that many ranks): on a GPU what the
+               sync debug mode reports, on a CPU the operations that read a value
   compiled     graph breaks and graphs compiled per layer kind over micro-batches of varying
                shapes (training, a batch of one, then evaluation), and the seconds compiling took
 
@@ -193,8 +193,6 @@ def sync_counts(trainer, steps: int = 2) -> dict:
     import contextlib
     import warnings
 
-    import torch
-
     from bench.counting import KernelCounter
     from parallel import accelerator
 
@@ -219,20 +217,18 @@ def sync_counts(trainer, steps: int = 2) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught_warnings:
             warnings.simplefilter("always")
-            if on_gpu:
-                torch.cuda.set_sync_debug_mode("warn")
+            accelerator.warn_on_sync(True)
             caught = caught_warnings
             with counter:
                 for _ in range(steps):
                     trainer.train_step()
             total = reads()
     finally:
-        if on_gpu:
-            torch.cuda.set_sync_debug_mode("default")
+        accelerator.warn_on_sync(False)
         remove()
     m = trainer.cfg.train.micro_batches * steps
     return {"per_microbatch": in_microbatch[0] / m, "per_step": total / steps,
-            "method": "torch.cuda.set_sync_debug_mode" if on_gpu else "operations reading a value on the host"}
+            "method": "the GPU's sync debug mode" if on_gpu else "operations reading a value on the host"}
 
 
 def _trainer(cfg, data_dir: str, run_dir: str, pp: int = 1):

@@ -166,6 +166,17 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def warn_on_sync(enabled: bool) -> bool:
+    """Make every operation that waits for the device warn (the GPU's sync debug mode: reads of
+    values, copies to pageable host memory). False where nothing syncs: on the host."""
+    import torch
+
+    if on_host():
+        return False
+    torch.cuda.set_sync_debug_mode("warn" if enabled else "default")
+    return True
+
+
 def empty_cache() -> None:
     import torch
 

@@ -61,13 +61,13 @@ def _backend(kind: str):
     return _backends[kind]
 
 
-def compile_enabled(setting: str) -> bool:
-    """train.compile: on | off | auto (on where a GPU runs the layers)."""
+def compile_enabled(setting: str | bool) -> bool:
+    """train.compile: true | false | auto (true where a GPU runs the layers)."""
     if setting == "auto":
         from parallel import accelerator
 
         return not accelerator.on_host()
-    return setting == "on"
+    return bool(setting)
 
 
 def configure() -> None:

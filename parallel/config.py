@@ -75,10 +75,10 @@ class TrainConfig:
     """Optimizer steps to run."""
     micro_batches: Positive = 1
     """Micro-batches per optimizer step per replica (DeepSpeed gradient_accumulation_steps)."""
-    compile: Literal["auto", "on", "off"] = "auto"
-    """Compile every encoder and decoder layer with torch.compile (parallel/compiled.py): on |
-    off | auto (on with GPUs, where a step is bound by the host launching small kernels; off on
-    CPUs, where compiling a layer kind takes 10-20 s and saves little of a step's CPU time).
+    compile: Literal["auto", True, False] = "auto"
+    """Compile every encoder and decoder layer with torch.compile (parallel/compiled.py): true |
+    false | auto (true with GPUs, where a step is bound by the host launching small kernels; false
+    on CPUs, where compiling a layer kind takes 10-20 s and gains little of a step's CPU time).
     Checkpoints are the same either way."""
     lr: Annotated[float, Range(gt=0.0)] = 5e-4
     """Peak learning rate, reached at the end of the warm-up."""

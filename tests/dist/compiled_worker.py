@@ -2,9 +2,9 @@
 
     deepspeed --num_gpus 2 --module tests.dist.compiled_worker --config RUN.yaml --out R.json --steps 4
 
-compiled      train.compile=on, dropout 0: every step recorded, a checkpoint after step 2, the
+compiled      train.compile=true, dropout 0: every step recorded, a checkpoint after step 2, the
               parameters dumped, then the host syncs of two more steps and the compile counts
-eager_resume  train.compile=off, resumed from that checkpoint: the compiled run's checkpoint in an
+eager_resume  train.compile=false, resumed from that checkpoint: the compiled run's checkpoint in an
               eager run
 dropout_ac    compiled, dropout 0.1 everywhere, activation checkpointing every layer
 dropout       the same without activation checkpointing (recomputation must draw the same masks)
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int)
     args = parser.parse_args()
     cfg = load_config(args.config)
-    cfg.train.compile = "on"
+    cfg.train.compile = True
     steps, save_at = args.steps, args.steps // 2
     out = {}
 
@@ -42,7 +42,7 @@ def main() -> None:
     out["graphs"] = {kind: int(s["graphs"]) for kind, s in compiled.stats.items()}
 
     eager = copy.deepcopy(cfg)
-    eager.train.compile = "off"
+    eager.train.compile = False
     eager.run_dir = cfg.run_dir + "-eager"
     fresh_run_dir(eager.run_dir, os.path.join(cfg.run_dir, "data"), cfg.run_dir, f"step{save_at}")
     resumed = Trainer(eager, max_steps=steps)
