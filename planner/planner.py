@@ -155,8 +155,8 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     e·(8d + f) + 4·(H + 5). A decoder layer, per target token e·(12d + f) + 4·(2H + 6), and per
     source token e·3d + 4 (the encoder output read by the cross-attention K/V projections, and
     their outputs). Dropout adds one mask per residual branch (and per FFN activation) of `mask`
-    bytes per element: torch's on GPUs (1, bool), none for the hashed CPU dropout
-    (model/dropout.py recomputes its mask from a seed; torch's CPU dropout kept a float mask).
+    bytes per element: torch's on GPUs keeps a bool mask (1), on CPUs a mask of the activations'
+    dtype (its scaled Bernoulli draws).
     Tensors inside a tensor-parallel region (Q, K, V, attention output, ReLU output) are split.
     """
     d, f, h, v = cfg.d_model, cfg.ffn_dim, cfg.heads, cfg.vocab_size
@@ -219,7 +219,7 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     if layout.precision in ("fp16", "bf16") and dev.kind == HOST:
         raise ValueError("the planner models fp16/bf16 for GPUs only")
     e = ELEMENT_BYTES[layout.precision]
-    mask = 0 if dev.kind == HOST else 1  # CPUs: the hashed dropout (model/dropout.py) keeps no mask
+    mask = e if dev.kind == HOST else 1  # dropout's kept mask: the activations' dtype on CPUs, bool on GPUs
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
     h_bytes = b * (s + t) * cfg.d_model * e  # one [B, S+T, d] tensor

@@ -70,9 +70,12 @@ def test_every_bundled_config_and_cluster_layout_loads():
 
 
 def test_gpu_cluster_script_runs_one_rank_per_gpu_with_nccl_and_requeue(tmp_path):
+    from tests.bad_inputs import good_corpus
+
+    corpus = good_corpus(tmp_path)  # slurm checks the corpus before it writes the job
     code, run_dir, script = generate(tmp_path, os.path.join(ROOT, "configs", "deepnet-100-100-1024.yaml"),
                                      "--cluster", "a100-80gb-x64", "--time", "2-00:00:00",
-                                     "--partition", "gpu", "--cpus-per-task", "12")
+                                     "--partition", "gpu", "--cpus-per-task", "12", "--set", f"data.corpus={corpus}")
     assert code == 0
     for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
                  "#SBATCH --time=2-00:00:00", "#SBATCH --partition=gpu", "#SBATCH --requeue",
