@@ -194,8 +194,9 @@ def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_unive
         "gradient_clipping": t.clip_norm,
         "zero_optimization": {"stage": p.zero_stage},
         "bf16": {"enabled": p.precision == "bf16"},
-        # bf16 trains with BF16_Optimizer: fp32 master weights and fp32 accumulation of the
-        # micro-batch gradients (without it, ZeRO-1 would accumulate them in bf16).
+        # Every precision trains with parallel/optimizer.py's FlatOptimizer (fp32 master weights,
+        # fp32 accumulation); DeepSpeed reads this only when its own optimizers run (A/B runs):
+        # with it bf16 gets BF16_Optimizer (without it ZeRO-1 would accumulate in bf16).
         "data_types": {"grad_accum_dtype": "fp32" if p.precision == "bf16" else None},
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": 16},
         "steps_per_print": 2**31,
