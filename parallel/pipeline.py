@@ -4,7 +4,7 @@ Stage tuple protocol (what crosses a stage boundary):
 
   data → stage 0      (src [B,S] int64, tgt_in [B,T] int64)
   between stages      (h [B,S+T,d] float, src [B,S] int64, tgt_in [B,T] int64)
-  last layer → loss   logits [B,T,V]
+  last layer → loss   the decoder stream [B,T,d] (the loss projects it: parallel/loss.py)
   labels (last stage) (tgt_out [B,T] int64, scale [] float32)
 
 `h = cat([encoder states, decoder states], dim=1)`: the first S positions are the encoder stream,
@@ -38,11 +38,12 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.layers import padding_mask
-from model.transformer import build_layer, layer_plan, smoothed_loss_sum
+from model.transformer import build_layer, layer_plan
 from model.flops import layer_costs
 from parallel.compiled import run_layer
 from parallel.partition import stage_bounds
-from parallel.tensor import TensorParallel, parallelize, vocab_parallel_smoothed_loss_sum
+from parallel.loss import output_loss_sum
+from parallel.tensor import TensorParallel, parallelize
 
 
 def _build(cfg: ModelConfig, kind: str, index: int, init_seed: int) -> nn.Module:
@@ -76,9 +77,10 @@ class EmbedPipe(nn.Module):
         return self.embed(src), self.embed(tgt_in), src, tgt_in, padding_mask(src, self.pad_id, self.embed.weight.dtype)
 
 
-def output_logits(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
-    """Forward of the last layer: logits of the decoder stream through the tied embedding."""
-    return module.embed.logits(inputs[1])
+def output_states(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
+    """Forward of the last layer: the decoder stream, which the loss projects through the tied
+    embedding chunk by chunk (parallel/loss.py) rather than this layer to full logits."""
+    return inputs[1]
 
 
 class EncoderPipe(nn.Module):
@@ -124,7 +126,7 @@ def layer_specs(cfg: ModelConfig, seed: int) -> list[LayerSpec]:
         elif layer.kind == "output":
             # Built on the last stage from another seed, then overwritten by DeepSpeed's broadcast
             # of the first stage's embedding (the tied weight).
-            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, forward_fn=output_logits,
+            specs.append(TiedLayerSpec("embed", EmbedPipe, cfg, seed + i, forward_fn=output_states,
                                        tied_weight_attr=["embed.weight"]))
         elif layer.kind == "encoder":
             specs.append(LayerSpec(EncoderPipe, cfg, seed + i, index=layer.index))
@@ -146,11 +148,13 @@ class TranslationPipe(PipelineModule):
         object.__setattr__(self, "_plan", layer_plan(cfg))
         object.__setattr__(self, "_cfg", cfg)
 
-        def loss_fn(logits: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        def loss_fn(states: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            """The output projection and the loss of the last stage (the tied embedding's weight:
+            this rank's vocabulary slice under tensor parallelism)."""
             target, scale = labels
-            if tp is not None:  # logits hold this rank's vocabulary slice
-                return vocab_parallel_smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing, tp) * scale
-            return smoothed_loss_sum(logits, target, cfg.pad_id, cfg.label_smoothing) * scale
+            weight = self.tied_modules["embed"].embed.weight
+            group, size = (tp.group, tp.size) if tp is not None else (None, 1)
+            return output_loss_sum(states, weight, target, cfg.pad_id, cfg.label_smoothing, group, size) * scale
 
         super().__init__(
             layers=layer_specs(cfg, seed),

@@ -362,39 +362,6 @@ def shard_dim(name: str, plan: dict[str, Style] = TP_PLAN) -> int | None:
     return None if style is None else style.dims.get(param)
 
 
-def vocab_parallel_smoothed_loss_sum(local_logits: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,
-                                     tp: TensorParallel) -> torch.Tensor:
-    """Σ over non-pad tokens of torch's label-smoothed cross-entropy, from vocabulary-split logits.
-
-    loss = (1−ε)·(logZ − z_y) + (ε/V)·(V·logZ − Σ_v z_v), logZ = log Σ_v exp z_v. The three
-    vocabulary reductions (Σ exp, z_y, Σ z) are all-reduced with megatron's
-    reduce_from_tensor_model_parallel_region (all-reduce forward, identity backward), which gives
-    each rank the gradient of its own slice. megatron-core's vocab_parallel_cross_entropy smooths
-    with the local vocabulary size and is wrong for tp > 1 (Megatron-LM #737), hence this function.
-    """
-    _, tensor_parallel, _ = megatron()
-    reduce = lambda t: tensor_parallel.reduce_from_tensor_model_parallel_region(t, group=tp.group)  # noqa: E731
-    logits = local_logits.float().reshape(-1, local_logits.size(-1))
-    target = target.reshape(-1)
-    local_vocab = logits.size(-1)
-    vocab = local_vocab * tp.size
-    start = tp.rank * local_vocab
-    # A constant shift does not change the loss; the global max keeps exp() in range.
-    shift = logits.max(dim=-1).values.detach()
-    torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX, group=tp.group)
-    shifted = logits - shift[:, None]
-    log_z = torch.log(reduce(shifted.exp().sum(dim=-1)))
-    local_target = target - start
-    mine = (local_target >= 0) & (local_target < local_vocab)
-    picked = shifted.gather(1, local_target.clamp(0, local_vocab - 1)[:, None]).squeeze(1) * mine
-    target_logit = reduce(picked)
-    sum_logits = reduce(shifted.sum(dim=-1))
-    nll = log_z - target_logit
-    smooth = vocab * log_z - sum_logits
-    loss = (1.0 - eps) * nll + (eps / vocab) * smooth
-    return (loss * (target != pad_id)).sum()
-
-
 def merge_shards(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full tensors from the plain-named state dicts of tensor-parallel ranks 0..tp-1 (in order)."""
     if len(shards) == 1:

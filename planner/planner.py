@@ -43,6 +43,7 @@ import yaml
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
 from parallel.accelerator import HOST
+from parallel.loss import CHUNK_BYTES
 from planner.devices import Device
 from parallel.partition import stage_bounds
 
@@ -173,8 +174,10 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     if kind == "embed":
         return (ns + nt) * (8 + d * res_mask)
     if kind == "output":
-        # the decoder stream, logits (kept by the engine until backward), fp32 log-softmax, labels
-        return nt * (element * d + v / tp * (element + 4) + 9)
+        # the decoder stream (kept by the engine until backward), its gradient and the fp32
+        # gradient of this rank's vocabulary rows, which the chunked loss computes in its forward
+        # (parallel/loss.py), and the labels; no logits
+        return nt * (2 * element * d + 9) + v / tp * d * 4
     return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
 
 
@@ -227,10 +230,11 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     buffers = (stage > 0) * h_bytes + (stage < layout.pp - 1) * h_bytes
     layered = [a for a, k in zip(acts, kinds) if k in ("encoder", "decoder")]
     other = sum(a for a, k in zip(acts, kinds) if k not in ("encoder", "decoder"))
-    # Backward scratch: a layer's gradients mirror what it saved; the loss needs the fp32
-    # gradient of the log-softmax and the gradient of the logits at once.
+    # Backward scratch: a layer's gradients mirror what it saved. The loss's forward holds one
+    # chunk of fp32 logits, their exponentials and the chunk's gradient in the weights' precision.
     scratch = max(layered, default=0.0)
-    loss_scratch = b * t * cfg.vocab_size / layout.tp * (4 + e) if "output" in kinds else 0.0
+    chunk_tokens = min(b * t, max(1, CHUNK_BYTES // (4 * cfg.vocab_size / layout.tp)))
+    loss_scratch = chunk_tokens * cfg.vocab_size / layout.tp * (8 + e) if "output" in kinds else 0.0
     if layout.checkpoint and layered:
         k = layout.checkpoint
         per_mb = math.ceil(len(layered) / k) * h_bytes + other  # a chunk keeps only its input h
@@ -259,7 +263,7 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
     stale = max(0, min(max(2, in_flight), layout.micro_batches) - in_flight)
-    kept_output = b * t * cfg.vocab_size / layout.tp * e if stage == layout.pp - 1 else h_bytes
+    kept_output = b * t * cfg.d_model * e if stage == layout.pp - 1 else h_bytes
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     state = params * (kept + unsharded + kept_dp / layout.dp)

@@ -88,7 +88,11 @@ def test_pp2_flat_optimizer_matches_deepspeeds_zero1(pp2_run):
     optimizer, on the same launch, computes the same steps up to the order of fp32 sums: it takes
     the global norm over each replica's partition in fp64 and clips by 1 / ((‖g‖ + 1e-6) / c),
     FlatOptimizer over the whole buffer in fp32 (DeepSpeed's BF16_Optimizer's way) by
-    c / (‖g‖ + 1e-6). Measured: losses and norms equal to 1e-7 relative, weights to 1e-6."""
+    c / (‖g‖ + 1e-6). Measured: losses and norms equal to 1e-7 relative. Weights: Adam moves an
+    element whose gradient is near zero by up to lr per step whatever its size, so the last-bit
+    differences of the two norms show there as a few 1e-5 after 5 steps at lr 1e-3 (measured ≤ 3.1e-5;
+    tests/reference.py assert_parameters_equal has the argument); a wrong gradient moves elements
+    by whole steps (≥ 1e-3)."""
     result, params, _, _ = pp2_run
     assert result["plain"]["optimizer"] == "FlatOptimizer"
     flat, shipped = result["plain"]["uninterrupted"], result["zero1_deepspeed"]
@@ -97,7 +101,7 @@ def test_pp2_flat_optimizer_matches_deepspeeds_zero1(pp2_run):
     assert flat["lr"] == shipped["lr"]
     assert sorted(params) == sorted(result["deepspeed_params"])
     for name in params:
-        torch.testing.assert_close(params[name], result["deepspeed_params"][name], rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(params[name], result["deepspeed_params"][name], rtol=0, atol=5e-5, msg=name)
 
 
 def test_flat_optimizer_copies_a_rebound_master_back_into_the_weights(pp2_run):

@@ -41,7 +41,8 @@ def saved_bytes(fn, params) -> int:
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_activation_formula_equals_saved_tensors(dropout):
-    from parallel.pipeline import layer_specs, output_logits
+    from parallel.loss import output_loss_sum
+    from parallel.pipeline import layer_specs, output_states
 
     cfg = ModelConfig(encoder_layers=2, decoder_layers=2, d_model=48, heads=4, ffn_dim=96, vocab_size=50,
                       dropout=dropout)
@@ -64,11 +65,12 @@ def test_activation_formula_equals_saved_tensors(dropout):
     kept = {}
 
     def output():
-        kept["logits"] = output_logits(embed, flow)  # the engine holds it until backward
-        smoothed_loss_sum(kept["logits"], tgt, 0, 0.1)
+        kept["states"] = output_states(embed, flow)  # the engine holds it until backward
+        output_loss_sum(kept["states"], embed.embed.weight, tgt, 0, 0.1)
 
     saved = saved_bytes(output, embed.parameters())
-    assert saved + kept["logits"].nbytes == pytest.approx(formula("output"), abs=8)  # + a 4-byte scalar
+    labels = tgt.nbytes + (tgt != 0).nbytes  # the labels and the padding mask the loss reads
+    assert saved + kept["states"].nbytes + labels == pytest.approx(formula("output"), abs=8)
 
 
 def test_partition_is_the_trainers_or_as_balanced():

@@ -26,7 +26,7 @@ from trainer.trainer import Trainer
 from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 from parallel.pipeline import plain_state_dict
-from parallel.tensor import shard_dim, vocab_parallel_smoothed_loss_sum
+from parallel.tensor import shard_dim
 from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result
 from parallel.engine import exit_rank
 
@@ -36,18 +36,29 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check_vocab_loss(tp) -> dict:
+    """parallel/loss.py under tensor parallelism: this rank's vocabulary slice of the tied weight
+    against the full logits' label-smoothed cross-entropy (loss, and the gradients of h and of
+    this rank's rows), in chunks of a few tokens so that several chunks run."""
+    from parallel import loss as chunked
+
     gen = torch.Generator().manual_seed(5)
-    vocab, n = 64, 40
-    full = (3 * torch.randn(n, vocab, generator=gen)).requires_grad_()
+    vocab, n, d = 64, 40, 16
+    h = torch.randn(n, d, generator=gen).requires_grad_()
+    weight = (torch.randn(vocab, d, generator=gen)).requires_grad_()
     target = torch.randint(1, vocab, (n,), generator=gen)
     target[::7] = 0  # padding
-    ref = F.cross_entropy(full, target, ignore_index=0, label_smoothing=0.1, reduction="sum")
+    ref = F.cross_entropy(h @ weight.t(), target, ignore_index=0, label_smoothing=0.1, reduction="sum")
     ref.backward()
-    local = full.detach().chunk(tp.size, dim=1)[tp.rank].clone().requires_grad_()
-    got = vocab_parallel_smoothed_loss_sum(local, target, 0, 0.1, tp)
+    local = weight.detach().chunk(tp.size, dim=0)[tp.rank].clone().requires_grad_()
+    mine = h.detach().clone().requires_grad_()
+    saved, chunked.CHUNK_BYTES = chunked.CHUNK_BYTES, 4 * 7 * local.size(0)  # 7 tokens a chunk
+    try:
+        got = chunked.output_loss_sum(mine, local, target, 0, 0.1, tp.group, tp.size)
+    finally:
+        chunked.CHUNK_BYTES = saved
     got.backward()
-    return {"loss": float(got), "ref": float(ref),
-            "grad_rel": rel(local.grad, full.grad.chunk(tp.size, dim=1)[tp.rank])}
+    return {"loss": float(got), "ref": float(ref), "grad_rel": rel(local.grad, weight.grad.chunk(tp.size, dim=0)[tp.rank]),
+            "grad_h_rel": rel(mine.grad, h.grad)}
 
 
 def local_slice(name: str, full: torch.Tensor, tp) -> torch.Tensor:

@@ -1,0 +1,99 @@
+"""The output layer and the label-smoothed loss in one pass over the vocabulary, chunk by chunk:
+the [tokens × V] logits never exist whole.
+
+    loss = Σ_{non-pad tokens} (1−ε)·(logZ − z_y) + (ε/V)·(V·logZ − Σ_v z_v),  z = h·Eᵀ
+
+is torch's label-smoothed cross-entropy (sum reduction, padding ignored) of the tied output
+projection, as the plain model computes it (model/transformer.py `smoothed_loss_sum` on full
+logits). At the paper's 128k vocabulary those logits cost 14 bytes per token and piece (the
+projection's output, its fp32 copy, the log-softmax and their gradients): 7 GiB for a 4k-token
+micro-batch. Here the tokens go through in chunks of at most CHUNK_BYTES of fp32 logits; each
+chunk's loss and its gradient with respect to the logits are computed in the forward, turned
+into the gradients of h and E right away, and the chunk's logits are freed. Backward only scales
+what forward kept (h's and E's gradients, the sizes of the inputs) by the incoming gradient.
+Each chunk's logits are computed in the weights' precision and the loss in fp32, as the plain
+model does, so the numbers are the same to summation order.
+
+Why not a library: torch 2.13's `linear_cross_entropy` chunks only without label smoothing (with
+it, it falls back to full logits, with a warning); Liger-Kernel's fused linear cross-entropy is
+Triton, runs on GPUs only and knows nothing of a vocabulary split over tensor-parallel ranks.
+
+Under tensor parallelism (`group`) each rank holds a slice of the vocabulary (parallel/tensor.py
+VocabParallel): the maximum, Σ exp, z_y and Σ z are all-reduced over the group per chunk, and the
+gradient of h (which every rank holds whole) is summed over it; megatron-core's vocab-parallel
+cross-entropy smooths with the local vocabulary and is wrong for tp > 1 (Megatron-LM #737).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+CHUNK_BYTES = 256 * 2**20
+"""fp32 logits per chunk (tokens × local vocabulary × 4 bytes): large enough that each chunk's
+matrix products fill a GPU, small next to the 7 GiB of a 4k-token micro-batch at 128k pieces."""
+
+
+def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, target, pad_id: int, eps: float, group, vocab: int, rows: int):
+        tp_rank = dist.get_rank(group) if group is not None else 0
+        local = weight.size(0)
+        start = tp_rank * local
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for lo in range(0, h.size(0), rows):
+            hr, yr = h[lo:lo + rows], target[lo:lo + rows]
+            z = F.linear(hr, weight).float()
+            shift = _all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
+            z -= shift[:, None]
+            p = z.exp()
+            total_exp = _all_reduce(p.sum(dim=-1), group)
+            log_z = torch.log(total_exp)
+            mine = (yr >= start) & (yr < start + local)
+            index = (yr - start).clamp(0, local - 1)[:, None]
+            z_y = _all_reduce(z.gather(1, index).squeeze(1) * mine, group)
+            z_sum = _all_reduce(z.sum(dim=-1), group)
+            keep = (yr != pad_id).float()
+            total += (((1.0 - eps) * (log_z - z_y) + (eps / vocab) * (vocab * log_z - z_sum)) * keep).sum()
+            # d loss / d z = softmax − (1−ε)·onehot(y) − ε/V, on real tokens
+            p /= total_exp[:, None]
+            p -= eps / vocab
+            p.scatter_add_(1, index, -(1.0 - eps) * mine.float()[:, None])
+            p *= keep[:, None]
+            dz = p.to(h.dtype)
+            if grad_h is not None:
+                grad_h[lo:lo + rows] = dz @ weight
+            if grad_w is not None:
+                grad_w += (dz.t() @ hr).float()
+        if grad_h is not None:
+            _all_reduce(grad_h, group)  # h is replicated: every vocabulary slice contributes
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None, None, None
+
+
+def output_loss_sum(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,
+                    group=None, tp_size: int = 1) -> torch.Tensor:
+    """Σ over non-pad target tokens of the label-smoothed cross-entropy of logits h·weightᵀ (fp32),
+    without materialising them; `weight` is this rank's vocabulary slice when `group` is the
+    tensor-parallel group of `tp_size` ranks."""
+    h2 = h.reshape(-1, h.size(-1))
+    local = weight.size(0)
+    rows = max(1, min(h2.size(0), CHUNK_BYTES // (4 * local)))
+    return _ChunkedLoss.apply(h2, weight, target.reshape(-1), pad_id, eps, group, local * tp_size, rows)
