@@ -33,9 +33,22 @@ class MessageIO:
 
     def expect(self, shapes: list[tuple[torch.Size, torch.Size]] | None) -> None:
         """The (source, target input) shapes of the micro-batches the next train_batch or
-        eval_batch runs, in order; None: learn them from the sender (DeepSpeed's way)."""
+        eval_batch runs, in order (for that call only); None: learn them from the sender
+        (DeepSpeed's way)."""
         layout = getattr(self.module, "message_layout", None)
         self._expected = None if shapes is None or layout is None else iter([layout(*s) for s in shapes])
+
+    def train_batch(self, *args, **kwargs):
+        try:
+            return super().train_batch(*args, **kwargs)
+        finally:
+            self._expected = None  # told for one batch only
+
+    def eval_batch(self, *args, **kwargs):
+        try:
+            return super().eval_batch(*args, **kwargs)
+        finally:
+            self._expected = None
 
     def _exec_load_micro_batch(self, buffer_id):
         if self._expected is None:

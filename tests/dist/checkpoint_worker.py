@@ -47,8 +47,9 @@ def main() -> None:
 
     batch = eval_batches(first.valid_data, cfg.data.max_tokens)[0]
     item = ((batch["src"], batch["tgt_in"]), (batch["tgt_out"], torch.tensor(1.0)))
-    loss, logits = first.engine.eval_batch(iter([item]), return_logits=True, num_micro_batches=1)
-    if first.engine.is_last_stage():
+    loss, states = first.engine.eval_batch(iter([item]), return_logits=True, num_micro_batches=1)
+    if first.engine.is_last_stage():  # the last stage's output is the decoder stream; the loss projects it
+        logits = first.module.tied_modules["embed"].embed.logits(states)
         torch.save({"src": batch["src"], "tgt_in": batch["tgt_in"], "tgt_out": batch["tgt_out"],
                     "logits": logits.detach(), "loss": float(loss)}, args.out + ".logits.pt")
 
