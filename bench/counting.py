@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,35 @@ ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "new_empty.defaul
 HOST_READS = {"_local_scalar_dense.default", "is_nonzero.default", "equal.default", "nonzero.default",
               "masked_select.default", "_unique2.default", "unique_dim.default", "allclose.default",
               "item.default"}
+
+
+# Where a step's operations come from, by the code that issues them (`KernelCounter(classify=True)`):
+#   model       forward under model/ or the pipeline's layers, and every backward node but AccumulateGrad
+#   accumulate  AccumulateGrad's own work (adding a new gradient into an existing `.grad`)
+#   optimizer   the optimizer, its clipping and the gradient reduction
+#   engine      the rest (the pipeline engine's buffers, loss aggregation, point-to-point transfers)
+# "Beyond the model" is accumulate + optimizer + engine.
+OPTIMIZER_FILES = ("parallel/optimizer.py", "parallel/ds_engine.py", "deepspeed/runtime/bf16_optimizer.py",
+                   "deepspeed/runtime/utils.py", "deepspeed/runtime/zero/", "deepspeed/runtime/fp16/", "torch/optim/",
+                   "torch/_utils.py")
+REDUCTION_FUNCTIONS = ("allreduce_gradients", "_bf16_reduce_grads", "_exec_reduce_grads", "buffered_allreduce_fallback")
+MODEL_FILES = ("/model/", "parallel/pipeline.py", "parallel/tensor.py", "parallel/weight_split.py", "parallel/loss.py")
+
+
+def classify() -> str:
+    """The class (above) of the operation being dispatched, from the autograd node and the Python
+    frames that issued it."""
+    node = torch._C._current_autograd_node()
+    if node is not None and "AccumulateGrad" in node.name():
+        return "accumulate"
+    frame, model = sys._getframe(2), False
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(k in name for k in OPTIMIZER_FILES) or frame.f_code.co_name in REDUCTION_FUNCTIONS:
+            return "optimizer"
+        model = model or any(k in name for k in MODEL_FILES)
+        frame = frame.f_back
+    return "model" if model or node is not None else "engine"
 
 
 def _tensors(x):
@@ -61,10 +91,13 @@ class KernelCounter(TorchDispatchMode):
 
     _active: list["KernelCounter"] = []
 
-    def __init__(self):
+    def __init__(self, classify: bool = False):
         super().__init__()
         self.kernels = self.dispatched = self.syncs = self.generated = 0
         self.by_op: collections.Counter = collections.Counter()
+        self.classify = classify
+        self.by_class: collections.Counter = collections.Counter()
+        """Kernels by where they come from (`classify`), with `classify=True`."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -89,8 +122,19 @@ class KernelCounter(TorchDispatchMode):
             self.syncs += 1
         if self._launches(func, name, args, kwargs, out):
             self.kernels += 1
-            self.by_op[func.overloadpacket.__name__] += 1
+            if self.classify:
+                kind = classify()
+                self.by_class[kind] += 1
+                self.by_op[f"{kind}:{func.overloadpacket.__name__}"] += 1
+            else:
+                self.by_op[func.overloadpacket.__name__] += 1
         return out
+
+    def beyond_model(self) -> dict:
+        """With `classify=True`: the kernels beyond the model (and each class, and the operations)."""
+        return {"total": self.kernels, "beyond_model": self.kernels - self.by_class["model"],
+                **{k: self.by_class[k] for k in ("model", "accumulate", "optimizer", "engine")},
+                "beyond_model_ops": {op: n for op, n in self.by_op.most_common() if not op.startswith("model:")}}
 
     @staticmethod
     def _launches(func, name: str, args, kwargs, out) -> bool:

@@ -13,7 +13,7 @@ has the rule), for the model of CONFIG (default configs/default.yaml):
                GPU's fused dropout (bench/counting.py `fused_dropout`)
   engine       the engine's operations per training step beyond the model (gradient
                accumulation, clipping, norms, optimizer, bookkeeping) in fp32 and bf16, at pp = 1
-               in this process (parallel/opcount.py)
+               in this process (`engine_ops_per_step`)
   syncs        host syncs per micro-batch and per step of the real trainer at pp = 1 (this
                process) and at --pp stages (one launch of that many ranks): on a GPU what the
                sync debug mode reports, on a CPU the operations that read a value
@@ -231,6 +231,33 @@ def sync_counts(trainer, steps: int = 2) -> dict:
             "method": "the GPU's sync debug mode" if on_gpu else "operations reading a value on the host"}
 
 
+def engine_ops_per_step(cfg, precision: str, data_dir: str, run_dir: str, step: int = 3,
+                        flat_optimizer: bool = True) -> dict:
+    """Kernel operations of training step `step` beyond the model (bench/counting.py classes; the
+    earlier steps warm up: the optimizer's state is made in the first) for run config `cfg` in
+    `precision`, at pp = dp = tp = 1 in this process. `flat_optimizer=False` measures DeepSpeed's
+    own optimizers instead (parallel/optimizer.py's A/B switch)."""
+    import copy
+
+    from bench.counting import KernelCounter
+    from parallel.optimizer import FlatOptimizer
+
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.precision = precision
+    enabled, FlatOptimizer.enabled = FlatOptimizer.enabled, flat_optimizer
+    try:
+        trainer = _trainer(cfg, data_dir, run_dir)
+    finally:
+        FlatOptimizer.enabled = enabled
+    for _ in range(step - 1):
+        trainer.train_step()
+    with KernelCounter(classify=True) as counter:
+        trainer.train_step()
+    return {**counter.beyond_model(), "optimizer_class": type(trainer.engine.optimizer).__name__,
+            "tensors": sum(1 for p in trainer.module.parameters() if p.requires_grad),
+            "micro_batches": cfg.train.micro_batches}
+
+
 def _trainer(cfg, data_dir: str, run_dir: str, pp: int = 1):
     """A fresh Trainer of `cfg` at `pp` stages (this process is one of its ranks) on prepared data."""
     import copy
@@ -361,8 +388,6 @@ def main(argv: list[str] | None = None) -> int:
         work = os.path.join(args.out, "work")
         os.makedirs(work, exist_ok=True)
         if "engine" not in skip:
-            from parallel.opcount import engine_ops_per_step
-
             one = dataclasses.replace(cfg.parallel, pipeline_stages=1, data_parallel=1, tensor_parallel=1)
             single = dataclasses.replace(cfg, parallel=one)
             counts = {p: engine_ops_per_step(single, p, data_dir, os.path.join(work, p)) for p in ("fp32", "bf16")}

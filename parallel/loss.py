@@ -18,6 +18,12 @@ Why not a library: torch 2.13's `linear_cross_entropy` chunks only without label
 it, it falls back to full logits, with a warning); Liger-Kernel's fused linear cross-entropy is
 Triton, runs on GPUs only and knows nothing of a vocabulary split over tensor-parallel ranks.
 
+The gradient of E reaches E the way a layer's would: the last pipeline layer ties E to the
+decoder stream it outputs (`tie_output_weight`: the stream as it is, carrying E), and E's gradient,
+computed by the loss, is handed to E by that tie's backward, after the stream's own gradient has
+passed. The engine's hooks on a stage's output run before any of its parameters receive a gradient
+(DeepSpeed's optimizers clear the low-precision gradients there), as with full logits.
+
 Under tensor parallelism (`group`) each rank holds a slice of the vocabulary (parallel/tensor.py
 VocabParallel): the maximum, Σ exp, z_y and Σ z are all-reduced over the group per chunk, and the
 gradient of h (which every rank holds whole) is summed over it; megatron-core's vocab-parallel
@@ -40,16 +46,45 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
+class _WeightSlot:
+    """E's gradient between the loss's backward and the tie's."""
+
+    grad: torch.Tensor | None = None
+
+
+class _Tie(torch.autograd.Function):
+    """The decoder stream, unchanged, tied to E: backward passes the stream's gradient on and gives
+    E the gradient the loss left in the slot."""
+
+    @staticmethod
+    def forward(ctx, h, weight, slot):
+        ctx.slot = slot
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight_grad, ctx.slot.grad = ctx.slot.grad, None
+        return grad, weight_grad, None
+
+
+def tie_output_weight(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The last layer's output: `h` tied to the output projection's weight `weight` (E, or this
+    rank's vocabulary slice of it), for `tied_output_loss_sum`."""
+    slot = _WeightSlot()
+    states = _Tie.apply(h, weight, slot)
+    states.output_weight = (weight, slot)
+    return states
+
+
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, target, pad_id: int, eps: float, group, vocab: int, rows: int):
+    def forward(ctx, h, weight, slot, target, pad_id: int, eps: float, group, vocab: int, rows: int):
         tp_rank = dist.get_rank(group) if group is not None else 0
         local = weight.size(0)
         start = tp_rank * local
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for lo in range(0, h.size(0), rows):
             hr, yr = h[lo:lo + rows], target[lo:lo + rows]
             z = F.linear(hr, weight).float()
@@ -70,30 +105,35 @@ class _ChunkedLoss(torch.autograd.Function):
             p.scatter_add_(1, index, -(1.0 - eps) * mine.float()[:, None])
             p *= keep[:, None]
             dz = p.to(h.dtype)
-            if grad_h is not None:
-                grad_h[lo:lo + rows] = dz @ weight
-            if grad_w is not None:
-                grad_w += (dz.t() @ hr).float()
-        if grad_h is not None:
-            _all_reduce(grad_h, group)  # h is replicated: every vocabulary slice contributes
+            grad_h[lo:lo + rows] = dz @ weight
+            grad_w += (dz.t() @ hr).float()
+        _all_reduce(grad_h, group)  # h is replicated: every vocabulary slice contributes
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+        ctx.slot, ctx.weight_dtype = slot, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad).to(ctx.weight_dtype) if grad_w is not None else None
-        return gh, gw, None, None, None, None, None, None
+        ctx.slot.grad = (grad_w * grad).to(ctx.weight_dtype)  # for the tie's backward, next
+        return grad_h * grad.to(grad_h.dtype), None, None, None, None, None, None, None, None
+
+
+def tied_output_loss_sum(states: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float, group=None,
+                         tp_size: int = 1) -> torch.Tensor:
+    """Σ over non-pad target tokens of the label-smoothed cross-entropy of the logits of `states`
+    (from `tie_output_weight`) through their tied weight, fp32, without materialising them; the
+    weight is this rank's vocabulary slice when `group` is the tensor-parallel group of `tp_size`
+    ranks."""
+    weight, slot = states.output_weight
+    h2 = states.reshape(-1, states.size(-1))
+    local = weight.size(0)
+    rows = max(1, min(h2.size(0), CHUNK_BYTES // (4 * local)))
+    return _ChunkedLoss.apply(h2, weight.detach(), slot, target.reshape(-1), pad_id, eps, group,
+                              local * tp_size, rows)
 
 
 def output_loss_sum(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,
                     group=None, tp_size: int = 1) -> torch.Tensor:
-    """Σ over non-pad target tokens of the label-smoothed cross-entropy of logits h·weightᵀ (fp32),
-    without materialising them; `weight` is this rank's vocabulary slice when `group` is the
-    tensor-parallel group of `tp_size` ranks."""
-    h2 = h.reshape(-1, h.size(-1))
-    local = weight.size(0)
-    rows = max(1, min(h2.size(0), CHUNK_BYTES // (4 * local)))
-    return _ChunkedLoss.apply(h2, weight, target.reshape(-1), pad_id, eps, group, local * tp_size, rows)
+    """`tied_output_loss_sum` of `h` tied to `weight`: the loss of logits h·weightᵀ."""
+    return tied_output_loss_sum(tie_output_weight(h, weight), target, pad_id, eps, group, tp_size)

@@ -42,7 +42,7 @@ from model.transformer import build_layer, layer_plan
 from model.flops import layer_costs
 from parallel.compiled import run_layer
 from parallel.partition import stage_bounds
-from parallel.loss import output_loss_sum
+from parallel.loss import tie_output_weight, tied_output_loss_sum
 from parallel.tensor import TensorParallel, parallelize
 
 
@@ -78,9 +78,9 @@ class EmbedPipe(nn.Module):
 
 
 def output_states(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
-    """Forward of the last layer: the decoder stream, which the loss projects through the tied
-    embedding chunk by chunk (parallel/loss.py) rather than this layer to full logits."""
-    return inputs[1]
+    """Forward of the last layer: the decoder stream tied to the embedding, which the loss projects
+    it through chunk by chunk (parallel/loss.py) rather than this layer to full logits."""
+    return tie_output_weight(inputs[1], module.embed.weight)
 
 
 class EncoderPipe(nn.Module):
@@ -149,12 +149,11 @@ class TranslationPipe(PipelineModule):
         object.__setattr__(self, "_cfg", cfg)
 
         def loss_fn(states: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            """The output projection and the loss of the last stage (the tied embedding's weight:
-            this rank's vocabulary slice under tensor parallelism)."""
+            """The output projection and the loss of the last stage, through the embedding weight
+            the last layer tied to its output (this rank's vocabulary slice under tensor parallelism)."""
             target, scale = labels
-            weight = self.tied_modules["embed"].embed.weight
             group, size = (tp.group, tp.size) if tp is not None else (None, 1)
-            return output_loss_sum(states, weight, target, cfg.pad_id, cfg.label_smoothing, group, size) * scale
+            return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size) * scale
 
         super().__init__(
             layers=layer_specs(cfg, seed),

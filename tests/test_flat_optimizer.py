@@ -10,7 +10,7 @@ universal checkpoint), which trains on. fp16 (where DeepSpeed's CPU accelerator 
 forced overflow skips the step (weights, learning rate kept; counted; the scale halved; no
 divergence event), the next step applies.
 Launch 2 (one process, tests/dist/ops_worker.py): aten operations per step beyond the model at
-6L-6L with 4 micro-batches (parallel/opcount.py), against bounds at what FlatOptimizer reaches,
+6L-6L with 4 micro-batches (bench/ops.py, bench/counting.py), against bounds at what FlatOptimizer reaches,
 and DeepSpeed's BF16_Optimizer's count on the same step: its per-tensor work, which the count must
 see (else a bound met would prove nothing).
 """

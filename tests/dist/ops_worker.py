@@ -1,5 +1,5 @@
 """One process (no launcher): kernel operations per training step beyond the model
-(parallel/opcount.py) for `--precisions` with the trainer's FlatOptimizer, and for bf16 with
+(bench/ops.py `engine_ops_per_step`) for `--precisions` with the trainer's FlatOptimizer, and for bf16 with
 DeepSpeed's BF16_Optimizer (`--deepspeed-bf16`), step 3 of each run. Writes JSON to `--out`."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 
 from parallel.engine import exit_rank, setup_distributed
-from parallel.opcount import engine_ops_per_step
+from bench.ops import engine_ops_per_step
 from trainer.config import load_config
 
 
