@@ -12,8 +12,9 @@ Compiled code's vendor calls (matrix products, SDPA, the dropout seed) are aten 
 count by the first rule. `dispatched` counts every operation that is not a view by its schema,
 with no other exception: what a plain dispatch-mode count gives.
 
-A host sync is a dispatched operation that reads a tensor's value on the host (`.item()`,
-`bool()`, `.tolist()`, `nonzero`, …): on a GPU each waits for the device. On GPUs the sync
+A host sync is an operation that reads a tensor's value on the host (`.item()`, `bool()`,
+`nonzero`, … as dispatched, and `.tolist()`, which reads without a dispatch on a CPU): on a GPU each
+waits for the device. On GPUs the sync
 debug mode (parallel/accelerator.py `warn_on_sync`) sees the others too (copies to pageable host
 memory).
 """
@@ -40,7 +41,7 @@ HOST_READS = {"_local_scalar_dense.default", "is_nonzero.default", "equal.defaul
 #   optimizer   the optimizer, its clipping and the gradient reduction
 #   engine      the rest (the pipeline engine's buffers, loss aggregation, point-to-point transfers)
 # "Beyond the model" is accumulate + optimizer + engine.
-OPTIMIZER_FILES = ("parallel/optimizer.py", "parallel/ds_engine.py", "deepspeed/runtime/bf16_optimizer.py",
+OPTIMIZER_FILES = ("parallel/optimizer.py", "deepspeed/runtime/bf16_optimizer.py",
                    "deepspeed/runtime/utils.py", "deepspeed/runtime/zero/", "deepspeed/runtime/fp16/", "torch/optim/",
                    "torch/_utils.py")
 REDUCTION_FUNCTIONS = ("allreduce_gradients", "_bf16_reduce_grads", "_exec_reduce_grads", "buffered_allreduce_fallback")
@@ -53,14 +54,15 @@ def classify() -> str:
     node = torch._C._current_autograd_node()
     if node is not None and "AccumulateGrad" in node.name():
         return "accumulate"
-    frame, model = sys._getframe(2), False
-    while frame is not None:
+    frame = sys._getframe(2)
+    while frame is not None:  # the innermost frame of either kind decides
         name = frame.f_code.co_filename
         if any(k in name for k in OPTIMIZER_FILES) or frame.f_code.co_name in REDUCTION_FUNCTIONS:
             return "optimizer"
-        model = model or any(k in name for k in MODEL_FILES)
+        if any(k in name for k in MODEL_FILES):
+            return "model"
         frame = frame.f_back
-    return "model" if model or node is not None else "engine"
+    return "model" if node is not None else "engine"
 
 
 def _tensors(x):
@@ -106,10 +108,21 @@ class KernelCounter(TorchDispatchMode):
     def __enter__(self):
         _wrap_generated()
         KernelCounter._active.append(self)
+        if len(KernelCounter._active) == 1:  # `.tolist()` reads the values without a dispatch on a CPU
+            KernelCounter._tolist = torch.Tensor.tolist
+
+            def tolist(tensor, *args, **kwargs):
+                for counter in KernelCounter._active:
+                    counter.syncs += 1
+                return KernelCounter._tolist(tensor, *args, **kwargs)
+
+            torch.Tensor.tolist = tolist
         return super().__enter__()
 
     def __exit__(self, *exc):
         KernelCounter._active.remove(self)
+        if not KernelCounter._active:
+            torch.Tensor.tolist = KernelCounter._tolist
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import torch
 from deepspeed import comm as ds_comm
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -49,6 +50,27 @@ class TrainerEngine(MessageIO, PipelineEngine):
             # PipelineEngine tests `type(optimizer) == BF16_Optimizer` for its bf16 paths (the
             # per-backward fold, the tied all-reduce of `_hp_grad`, the flat reduction).
             self.using_bf16_optimizer = True
+
+    step_loss: Callable[[], float | None] | None = None
+    """Set by the trainer: the step's loss as the divergence guard read it (its one host sync of
+    the step, with the loss shares of every rank summed). Then the step's aggregated loss costs no
+    collective and no read of its own: DeepSpeed's all-reduces it over the replicas, broadcasts it
+    over the pipeline and reads it back for its monitor, every step."""
+
+    def train_batch(self, *args, **kwargs):
+        # DeepSpeed reads the step's loss back for its own monitor events every step; those are all
+        # keyed by samples, which the trainer does not write (trainer/metrics.py drops them).
+        enabled, self.monitor.enabled = self.monitor.enabled, False
+        try:
+            return super().train_batch(*args, **kwargs)
+        finally:
+            self.monitor.enabled = enabled
+
+    def _aggregate_total_loss(self):
+        value = self.step_loss() if self.step_loss is not None else None
+        if value is None:
+            return super()._aggregate_total_loss()
+        return torch.tensor(value)  # on the host: what DeepSpeed's monitor reads is there already
 
     @property
     def flat_optimizer(self) -> bool:

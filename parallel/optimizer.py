@@ -31,7 +31,8 @@ DeepSpeed's bf16 ones). What it changes is the work per micro-batch and per step
 * fp32: the master partition is the module's flat weight partition itself (the same memory), so
   the step updates the weights in place and no copy-back happens.
 * The divergence guard (trainer/guard.py) decides through `step_gate`, called once per step after
-  the norm and before any weight changes.
+  the norm and before any weight changes; it reads the norm with the loss and its flags in one
+  host sync, the only one of a step.
 
 Measured operation counts and the exactness against DeepSpeed's own BF16_Optimizer are in
 docs/pipeline.md (engine section); tests/test_flat_optimizer.py checks both.
@@ -41,6 +42,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import operator
 from types import SimpleNamespace
 
@@ -50,7 +52,7 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm, is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.utils import all_gather_dp_groups, is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from torch._utils import _flatten_dense_tensors
 
@@ -76,8 +78,9 @@ class FlatOptimizer(BF16_Optimizer):
     WeightPass writes deferred weight gradients into `.grad` after the step's last fold) the views."""
 
     step_gate = None
-    """Set by the divergence guard: called as step_gate(norm or None) once per step on every rank;
-    True skips the update."""
+    """Set by the divergence guard: called as step_gate(norm, loss scale, scaled=fp16) once per step
+    on every rank with the global norm as a device tensor; returns (skip the update, the unscaled
+    norm as a float, inf when not finite): its one read of the device is the step's only host sync."""
 
     def __init__(self, init_optimizer, param_names, *, dtype: torch.dtype, mpu, clip_grad: float,
                  partition_group, allgather_bucket_size: int, loss_scaler=None, fold: bool = True):
@@ -235,24 +238,25 @@ class FlatOptimizer(BF16_Optimizer):
         self.overflow = self.loss_scale_overflow = False
         tensors = self.get_grads_for_norm()[0] if self._partial else self._norm_tensors
         total = self._global_norm(tensors)  # × the loss scale in fp16
-        invalid = is_invalid_grad_norm(total)
         scale = self.cur_scale
+        if self.step_gate is not None:  # the divergence guard: the step's one host sync reads the norm too
+            skip, value = self.step_gate(total, scale, scaled=self.loss_scaler is not None)
+        else:
+            value = float(total)
+            value = value / scale if value != -1.0 else float("inf")
+            skip = False
+        invalid = not math.isfinite(value)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(invalid)
             self.loss_scale_overflow = invalid
-        gate = self.step_gate
-        if invalid:
-            skip = gate is not None and gate(None if self.loss_scale_overflow else float("inf"))
-        else:
-            norm = total / scale if scale != 1.0 else total
-            skip = gate is not None and gate(float(norm))
         if invalid or skip:
             self.overflow = True
             self._global_grad_norm = float("inf")
             self.clear_hp_grads()
             self.clear_lp_grads()
             return
-        self._global_grad_norm = norm
+        self._global_grad_norm = value
+        norm = total / scale if scale != 1.0 else total
         coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0) if self.clip_grad > 0. else None
         if scale != 1.0:
             coef = 1.0 / scale if coef is None else coef / scale

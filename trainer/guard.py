@@ -32,6 +32,7 @@ import statistics
 import torch
 
 from parallel.layout import Layout
+from trainer import signals
 
 
 class DivergenceStop(RuntimeError):
@@ -50,6 +51,11 @@ class DivergenceGuard:
         self.recent: list[float] = []  # losses of the last applied steps, the same on every rank
         self.events: list[dict] = []
         self.pending: dict | None = None
+        self.preempt = False
+        """Whether any rank asked for a preemption checkpoint, as of the last decision (the flag
+        travels in the decision's all-reduce: no collective of its own per step)."""
+        self.step_loss: float | None = None
+        """The last decided step's loss (mean over its micro-batches and replicas)."""
         self._install(engine.optimizer)
 
     # ---- state kept in checkpoints (the spike check's window must survive a resume) ----------
@@ -62,18 +68,40 @@ class DivergenceGuard:
             self.events = list(state.get("events", []))
 
     # ---- the decision, inside the optimizer step ---------------------------------------------
-    def _loss_share(self) -> float:
+    def _flags(self, local_nonfinite: bool) -> torch.Tensor:
+        """(this rank's share of the step's loss, its non-finite flag, its preemption flag), on the
+        device, read from nothing on the host: the loss share stays a device tensor."""
         e = self.engine
+        extra = torch.tensor([float(local_nonfinite), float(signals.stop.checkpoint)], dtype=torch.float64,
+                             device=self.layout.device)
         if not self.layout.last_stage or self.layout.tp_rank != 0 or e.total_loss is None:
-            return 0.0
-        return float(e.total_loss)
+            return torch.cat([extra.new_zeros(1), extra])
+        return torch.cat([e.total_loss.detach().reshape(1).to(torch.float64), extra])
+
+    def decide_on_device(self, norm: torch.Tensor, scale: float = 1.0, scaled: bool = False) -> tuple[bool, float]:
+        """The step's one host sync: the loss shares, the flags and `norm` (the global gradient
+        norm as a device tensor, −1 when not finite; × `scale` under fp16's loss scaling) reduced
+        and read together. Returns (skip the update, the norm as a float: unscaled, inf when not
+        finite). `scaled`: a non-finite norm is the loss scaler's own overflow, not a divergence.
+        Collective over all ranks."""
+        flags = self._flags(False)
+        torch.distributed.all_reduce(flags)
+        loss, nonfinite, preempt, value = torch.cat([flags, norm.detach().reshape(1).to(torch.float64)]).tolist()
+        finite = math.isfinite(value) and value != -1.0
+        value = value / scale if finite else float("inf")
+        skip = self._decide(loss * self.scale, nonfinite > 0, preempt > 0, None if not finite and scaled else value)
+        return skip, value
 
     def decide(self, norm: float | None, local_nonfinite: bool = False) -> bool:
-        """True when the update must not be applied. Collective over all ranks."""
-        flags = torch.tensor([self._loss_share(), float(local_nonfinite)], dtype=torch.float64,
-                             device=self.layout.device)
+        """True when the update must not be applied (for optimizers that give the norm as a float).
+        Collective over all ranks."""
+        flags = self._flags(local_nonfinite)
         torch.distributed.all_reduce(flags)
-        loss, nonfinite = flags[0].item() * self.scale, flags[1].item() > 0
+        loss, nonfinite, preempt = flags.tolist()
+        return self._decide(loss * self.scale, nonfinite > 0, preempt > 0, norm)
+
+    def _decide(self, loss: float, nonfinite: bool, preempt: bool, norm: float | None) -> bool:
+        self.preempt = preempt
         reason = None
         if not math.isfinite(loss):
             reason = f"loss is {loss}"
@@ -87,11 +115,12 @@ class DivergenceGuard:
                 reason = (f"loss {loss:.4f} is {loss / median:.3g}× the median {median:.4f} of the last "
                           f"{self.window} steps (train.divergence_spike_factor={self.factor:g})")
         self.pending = {"loss": loss, "grad_norm": norm, "reason": reason}
+        self.step_loss = loss
         return reason is not None
 
     def _install(self, opt) -> None:
         if hasattr(opt, "step_gate"):  # parallel/optimizer.py's FlatOptimizer
-            opt.step_gate = self.decide
+            opt.step_gate = self.decide_on_device
         elif hasattr(opt, "scaled_global_norm"):  # ZeRO stage 1/2
             original = opt.scaled_global_norm
 

@@ -102,6 +102,7 @@ class Trainer:
         self.checkpoints = Checkpointer(cfg, layout, self.engine, self.module)
         self.ckpt_dir = self.checkpoints.ckpt_dir
         self.guard = DivergenceGuard(self.engine, cfg.train, layout)
+        self.engine.step_loss = self._decided_loss
         metrics.install(self.engine)
         rng.seed_dropout(cfg.train.seed, layout.stage, layout.replica)
         if layout.tp > 1:
@@ -134,6 +135,10 @@ class Trainer:
             self.stability = StabilityLogger(self)
             self.stability.start(self.step)
 
+    def _decided_loss(self) -> float | None:
+        """The loss of the step the guard just decided (None when it decided nothing this step)."""
+        return self.guard.step_loss
+
     # ---- checkpoints (trainer/checkpointer.py) -----------------------------------------------
     def save(self) -> str:
         """Checkpoint this step (every rank); the folder written."""
@@ -159,6 +164,7 @@ class Trainer:
         mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
         set_training_step(self.step_blocks, self.step)
         heartbeat.at(self.step, "train")
+        self.guard.step_loss = None
         self.engine.expect([(inputs[0].shape, inputs[1].shape) for inputs, _ in mine])
         start = time.perf_counter()
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
@@ -172,9 +178,19 @@ class Trainer:
         if self.stability:
             self.stability.after_step(self.step, grads)
         norm = self.engine.get_global_grad_norm()
+        if self.guard.step_loss is not None:  # read with the guard's decision, the step's one host sync
+            loss = self.guard.step_loss
         return {"loss": float(loss), "lr": self.engine.get_lr()[0],
                 "grad_norm": float(norm) if norm is not None else float("nan"),
                 "tokens": total, "seconds": elapsed, "divergence": self.guard.after_step(self.step)}
+
+    def preemption_requested(self) -> bool:
+        """Whether any rank asked for a preemption checkpoint: the flag came with the divergence
+        guard's decision of this step (no collective of its own), or, when the step decided nothing
+        (an optimizer without the guard's gate), one all-reduce."""
+        if self.guard.step_loss is not None:
+            return self.guard.preempt
+        return preemption_agreed()
 
     def validate(self) -> float:
         """Token-weighted label-smoothed loss over the whole dev split (replicas share the work)."""
@@ -238,7 +254,7 @@ class Trainer:
                 if saved:
                     path = self.save()
                     progress.log(f"step {self.step} | saved checkpoint {path}")
-                if self.step < self.max_steps and preemption_agreed():
+                if self.step < self.max_steps and self.preemption_requested():
                     progress.close()  # its messages are plain lines
                     self.stop_preempted(already_saved=saved)
         finally:
