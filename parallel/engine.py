@@ -201,6 +201,9 @@ def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_unive
         "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": 16},
         "steps_per_print": 2**31,
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every micro-batch's forward (a
+        # host sync per micro-batch on GPUs) to print samples/s; the trainer measures its own.
+        "timers": {"throughput": {"enabled": False}},
         "checkpoint": {"load_universal": load_universal},
         # DeepSpeed's monitors write our events on global rank 0: TensorBoard and one CSV per metric.
         "tensorboard": {"enabled": True, "output_path": os.path.join(run_dir, "tensorboard"),
@@ -269,5 +272,5 @@ def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: T
     from parallel.zero_bubble import ZeroBubbleEngine
 
     engine = initialize(module, optimizer, scheduler, config, ZeroBubbleEngine)
-    engine.max_pending_w = p.pending_bound(p.zb_pending_w)
+    engine.max_pending_w = p.pending_bound(p.zb_max_pending_w)
     return engine, module
