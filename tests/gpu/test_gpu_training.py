@@ -137,11 +137,11 @@ def test_peak_memory_within_the_planners_prediction(tmp_path):
     """A 6L-6L d=512 bf16 step (4,096-token micro-batches) against planner/planner.py: the
     planner counts tensors, not the allocator's rounding and cuBLAS workspaces: ±10% (measured on an
     H100: 4.06 GiB against 4.07 predicted; docs/bench/gpu-h100/report.md)."""
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", "6L-6L-d512", "--steps", "2",
-                           "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", "6L-6L-d512:eager", "--tokens", "4096",
+                           "--steps", "2", "--warmup", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(tmp_path / "6L-6L-d512.json") as f:
+    with open(tmp_path / "6L-6L-d512-eager.json") as f:
         r = json.load(f)
     ratio = r["peak_memory_bytes"] / r["planner_peak_bytes"]
     assert 0.9 <= ratio <= 1.1, f"measured {r['peak_memory_bytes'] / 2**30:.2f} GiB, planner " \
