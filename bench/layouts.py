@@ -2,7 +2,7 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
-                         [--schedule 1f1b,zb-h1] [--zb-pending-w=0,-1] [--zero 0,1]
+                         [--schedule 1f1b,zb-h1] [--zb-max-pending-w=0,-1] [--zero 0,1]
                          [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
                          [--work-dir DIR] [--profile]
 
@@ -40,9 +40,9 @@ from trainer.config import ConfigError, load_config
 from parallel.accelerator import HOST
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
-             "zb_pending_w", "zero")
+             "zb_max_pending_w", "zero")
 FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "micro_batches": int, "precision": str,
-              "threads": int, "schedule": str, "partition": str, "zb_pending_w": int, "zero": int}
+              "threads": int, "schedule": str, "partition": str, "zb_max_pending_w": int, "zero": int}
 
 
 def expand(entry: dict, where: str) -> list[dict]:
@@ -58,8 +58,8 @@ def layout_name(layout: dict) -> str:
     threads = f"-t{layout['threads']}" if "threads" in layout else ""
     schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
     partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
-    if layout.get("schedule") == "zb-h1" and "zb_pending_w" in layout:
-        schedule += "-auto" if layout["zb_pending_w"] < 0 else f"-w{layout['zb_pending_w']}"
+    if layout.get("schedule") == "zb-h1" and "zb_max_pending_w" in layout:
+        schedule += "-auto" if layout["zb_max_pending_w"] < 0 else f"-w{layout['zb_max_pending_w']}"
     zero = f"-z{layout['zero']}" if layout.get("zero", 1) != 1 else ""  # ZeRO stage (parallel.zero_stage)
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"
             f"-m{layout['micro_batches']}-ac{layout.get('ac', 0)}-{layout['precision']}{threads}{schedule}{partition}"

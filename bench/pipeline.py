@@ -106,8 +106,8 @@ def replayed_pipeline(result: dict) -> dict:
     ran = next((rank["zb_orders"] for rank in result["ranks"] if rank.get("zb_orders")), None)
     if schedule == "zb-h1" and ran:
         order = fixed(ran)
-    elif schedule == "zb-h1":  # no orders recorded: parallel.zb_pending_w's untuned order
-        order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)))
+    elif schedule == "zb-h1":  # no orders recorded: parallel.zb_max_pending_w's untuned order
+        order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0)))
     timeline = simulate(pp, m, costs, order)
     span = max(ops[-1][1] for ops in timeline)
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]

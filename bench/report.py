@@ -46,7 +46,7 @@ LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor
                "dp": ("parallel", "data_parallel"), "ac": ("parallel", "activation_checkpoint_interval"),
                "precision": ("parallel", "precision"), "max_tokens": ("data", "max_tokens"),
                "micro_batches": ("train", "micro_batches"), "schedule": ("parallel", "schedule"),
-               "partition": ("parallel", "partition_method"), "zb_pending_w": ("parallel", "zb_pending_w"),
+               "partition": ("parallel", "partition_method"), "zb_max_pending_w": ("parallel", "zb_max_pending_w"),
                "zero": ("parallel", "zero_stage")}
 
 
@@ -169,7 +169,7 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
     return Candidate(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                      sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
                      precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
-                     zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_pending_w", 0)),
+                     zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0)),
                      zero=layout.get("zero", 1))
 
 

@@ -1,12 +1,12 @@
 """`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved.
 
-    ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-pending-w=0,-1]
+    ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-max-pending-w=0,-1]
                              [--warmup 2] [--steps 4] [--out DIR]
 
 `./run.sh bench train` runs each layout in its own launch, one after the other; on a shared
 machine the load changes between them and with it wall and even CPU time (two ranks per core
 pair slow each other's caches). Here one launch per micro-batch count builds one real `Trainer`
-per schedule (1F1B, and ZB-H1 with each `--zb-pending-w` bound; -1 none), all on the same
+per schedule (1F1B, and ZB-H1 with each `--zb-max-pending-w` bound; -1 none), all on the same
 batches, and runs their steps in turn (A, B, C, A, B, C, ...), so every schedule sees the same
 load. Per schedule and stage: step wall time, CPU seconds, the measured bubble (idle fraction of
 the pipeline phase, wall: bench/pipeline.py `step_bubbles`), and the CPU replay (each stage's mean CPU seconds of F, B, W per micro-batch on the
@@ -27,7 +27,7 @@ import time
 
 
 def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
-    """(name, schedule, parallel.zb_pending_w) per trained schedule."""
+    """(name, schedule, parallel.zb_max_pending_w) per trained schedule."""
     out = [("1f1b", "1f1b", 0)]
     for p in pending:
         out.append(("zb-h1-auto" if p < 0 else f"zb-h1-w{p}", "zb-h1", p))
@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
         layout = {"pp": args.pp, "dp": 1, "micro_batches": args.micro_batches, "schedule": schedule,
                   "warmup": args.warmup, "steps": args.steps}
         if schedule == "zb-h1":
-            layout["zb_pending_w"] = pending
+            layout["zb_max_pending_w"] = pending
         cfg = layout_config(args.config, layout, run_dir, {})
         trainer = Trainer(cfg)
         trainers.append(trainer)
@@ -102,7 +102,7 @@ def summarize(result: dict) -> list[dict]:
                     bubble[stage].append(b)
                 cpu[stage].append(step["cpu_seconds"])
         layout = {"pp": pp, "micro_batches": m, "schedule": schedule,
-                  "zb_pending_w": pending}
+                  "zb_max_pending_w": pending}
         replay = replayed_pipeline({"layout": layout, "ranks": [
             {"stage": stage, "instructions_cpu": [s["process_time"] for s in steps],
              "zb_orders": r.get("zb_orders", {}).get(name)} for (stage, steps), r in zip(per_rank, result["ranks"])]})
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--micro-batches", default="4,8", help="comma-separated (one launch each)")
-    parser.add_argument("--zb-pending-w", default="0,-1",
+    parser.add_argument("--zb-max-pending-w", default="0,-1",
                         help="ZB-H1 variants: k >= 0 at most k pending weight passes per stage (0: the default); "
                              "-1 no bound (the order tuned to the measured costs)")
     parser.add_argument("--warmup", type=int, default=2,
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    pending = [int(x) for x in args.zb_pending_w.split(",")]
+    pending = [int(x) for x in args.zb_max_pending_w.split(",")]
     if args.worker:
         args.pending, args.micro_batches, args.out = pending, args.micro_batch_count, args.result
         worker(args)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         log = os.path.join(work, f"m{m}.log")
         cmd = deepspeed_command(args.pp, "bench.schedules", [
             os.path.abspath(args.config), "--worker", "--pp", str(args.pp), "--micro-batch-count", str(m),
-            f"--zb-pending-w={args.zb_pending_w}", "--warmup", str(args.warmup), "--steps", str(args.steps),
+            f"--zb-max-pending-w={args.zb_max_pending_w}", "--warmup", str(args.warmup), "--steps", str(args.steps),
             "--work-dir", work, "--data-dir", data_dir, "--result", result])
         env = launch_env(args.pp)
         env["OMP_NUM_THREADS"] = "1"

@@ -52,19 +52,24 @@ class ParallelConfig:
     schedule: Literal["1f1b", "zb-h1"] = "1f1b"
     """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
     the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
-    idle time; same activation memory as 1F1B's first stage; see parallel/zero_bubble.py)."""
-    zb_pending_w: Annotated[int, Range(ge=-1)] = 0
+    idle time; any precision, the same numbers as 1f1b; see parallel/zero_bubble.py). `./run.sh
+    plan` proposes it where it shortens the step within memory."""
+    zb_max_pending_w: Annotated[int, Range(ge=-1)] = 0
     """zb-h1 only: at most this many weight passes (W) a stage keeps waiting. 0: every W right after
-    its own B, so no stage holds more than its 1F1B memory; k > 0: up to k deferred W per stage, each
-    holding one micro-batch's W tensors; -1: no bound: the order tuned to the F, B and W times measured
-    in the second step (the paper's, stage s keeping s pending, or the filled one keeping up
-    to s + 1, the first stage too), which fills the most bubble. k ≠ 0 tunes within its bound too.
-    Numbers are identical for every value (parallel/zero_bubble.py)."""
+    its own B, so no stage holds more than its 1F1B memory; k > 0: up to k deferred W per stage;
+    -1: no bound: the order tuned to the F, B and W times measured in the second step (the paper's,
+    stage s keeping s pending, or the filled one keeping up to s + 1, the first stage too), which
+    fills the most bubble. k ≠ 0 tunes within its bound too. Numbers are identical for every value.
+    Memory: each pending W holds one micro-batch's inputs and output gradients of the stage's
+    linears, per layer and token (8d + 2f)·e bytes on an encoder layer and (12d + 2f)·e (+ 3d·e
+    per source token) on a decoder layer, e the element size: 1.1-1.3× that micro-batch's
+    activations of the layer (d = 1024, f = 4096, bf16: 32 MiB per encoder layer and 46 MiB per
+    decoder layer for 1,024 + 1,024 tokens). `./run.sh plan` prices each stage with it."""
 
     @staticmethod
-    def pending_bound(zb_pending_w: int) -> int | None:
-        """The schedule's bound for a `zb_pending_w` value: None (no bound) for -1."""
-        return None if zb_pending_w < 0 else zb_pending_w
+    def pending_bound(zb_max_pending_w: int) -> int | None:
+        """The schedule's bound for a `zb_max_pending_w` value: None (no bound) for -1."""
+        return None if zb_max_pending_w < 0 else zb_max_pending_w
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,17 @@ Three pieces, applied from outside the model:
   the tied-weight and data-parallel gradient reductions and the optimizer step (so ZeRO-1, the
   global-norm clipping and the tied embedding see complete gradients).
 
+Every precision accumulates through the trainer's optimizer (parallel/optimizer.py FlatOptimizer):
+after each backward it folds the gradients in `.grad` into its fp32 buffer and frees them; the
+engine folds again after each WeightPass and after the final flush (`fold_lp_grads`), so every
+micro-batch's W is added to the fp32 sum on its own, in micro-batch order, as 1F1B adds each
+micro-batch's whole gradient: bf16 and fp16 give 1F1B's sums. (Left in `.grad` until the next
+backward, a W would meet that micro-batch's gradient there and be added to it in bf16 first.)
+
+The output projection's weight gradient is computed inside the chunked loss's forward and reaches
+the tied embedding in the last layer's backward (parallel/loss.py): it is part of F and B, never
+deferred; `weight_split`'s split of `SharedEmbedding.logits` serves only callers of `logits`.
+
 The order of F, B and W on each stage is tuned to the model (parallel/zb_timeline.py's
 `tuned_schedule`): the first training step runs the paper's order; the engine times each stage's
 F, B and W in its second step, every rank takes the same per-stage means (one all-reduce), and
@@ -123,8 +134,15 @@ class ZeroBubbleEngine(TrainerEngine):
     into a buffer shared with the next receive) and the last stage's loss.
     """
 
+    folds_deferred_gradients = True
+    """Gradients written by WeightPass are folded into FlatOptimizer's fp32 buffer right after
+    (`_fold`), so fp32 folds too instead of accumulating into the buffer's views."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if not self.flat_optimizer and (self.bfloat16_enabled() or self.fp16_enabled()):
+            raise ValueError("parallel.schedule=zb-h1 in bf16/fp16 needs the trainer's optimizer (FlatOptimizer): "
+                             "DeepSpeed's own copies gradients after each backward, before a deferred W exists")
         self.weight_grads = WeightGradStore()
         self.split_modules = split_weight_gradients(self.module, self.weight_grads)
         self._matmul_weights = matmul_weights(self.module)
@@ -260,6 +278,12 @@ class ZeroBubbleEngine(TrainerEngine):
 
     def _exec_weight_pass(self, buffer_id):
         self.weight_grads.run(buffer_id)
+        self._fold()
+
+    def _fold(self) -> None:
+        """The W just written to `.grad` into the optimizer's fp32 buffer (module docstring)."""
+        if self.flat_optimizer:
+            self.optimizer.fold_lp_grads()
 
     @contextlib.contextmanager
     def _nonblocking_sends(self):
@@ -297,7 +321,10 @@ class ZeroBubbleEngine(TrainerEngine):
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        self.weight_grads.flush()  # every W is in .grad before any reduction
+        left = self.weight_grads.pending()
+        self.weight_grads.flush()  # every W is in .grad, and folded, before any reduction
+        if left:
+            self._fold()
         PipelineEngine._exec_reduce_tied_grads(self)
 
     _INSTRUCTION_MAP = {

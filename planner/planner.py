@@ -87,7 +87,7 @@ class Candidate:
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
     zb_max_pending: int | None = 0
-    """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_pending_w (0:
+    """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_max_pending_w (0:
     1F1B's memory on every stage; None where the config says -1: no bound, the tuned order)."""
     zero: int = 1
     """parallel.zero_stage: 1 (ZeRO-1) or 0 (the client optimizer on the weights)."""

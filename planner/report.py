@@ -70,7 +70,7 @@ def config_layout(parallel, train, max_tokens: int, seq_len: int, precision: str
                      micro_batches=train.micro_batches, sequences=max(1, max_tokens // seq_len), src_len=seq_len,
                      tgt_len=seq_len, checkpoint=parallel.activation_checkpoint_interval, precision=precision,
                      schedule=parallel.schedule,
-                     zb_max_pending=None if parallel.zb_pending_w < 0 else parallel.zb_pending_w,
+                     zb_max_pending=None if parallel.zb_max_pending_w < 0 else parallel.zb_max_pending_w,
                      zero=parallel.zero_stage)
 
 

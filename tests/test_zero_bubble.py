@@ -272,10 +272,9 @@ def test_planner_models_zb_h1_bubble_and_memory():
 
 @pytest.mark.parametrize("parallel,train,message", [
     ({"schedule": "zb"}, {}, "parallel.schedule='zb': must be one of 1f1b, zb-h1"),
-    ({"schedule": "zb-h1", "precision": "bf16"}, {}, "zb-h1 supports precision fp32 only"),
     ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
-    ({"zb_pending_w": 2}, {}, "parallel.zb_pending_w=2 applies to parallel.schedule: zb-h1 only"),
-    ({"schedule": "zb-h1", "zb_pending_w": -2}, {}, "parallel.zb_pending_w"),
+    ({"zb_max_pending_w": 2}, {}, "parallel.zb_max_pending_w=2 applies to parallel.schedule: zb-h1 only"),
+    ({"schedule": "zb-h1", "zb_max_pending_w": -2}, {}, "parallel.zb_max_pending_w"),
 ])
 def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, message):
     import yaml
@@ -286,8 +285,11 @@ def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, m
     path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, **parallel}, "train": train}))
     with pytest.raises(ConfigError, match=message):
         load_config(str(path))
-    path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, "tensor_parallel": 2, "schedule": "zb-h1"}}))
-    assert load_config(str(path)).parallel.schedule == "zb-h1"
+    for precision in ("fp32", "bf16", "fp16"):
+        path.write_text(yaml.safe_dump({"parallel": {"pipeline_stages": 2, "tensor_parallel": 2, "schedule": "zb-h1",
+                                                     "precision": precision, "zb_max_pending_w": -1}}))
+        p = load_config(str(path)).parallel
+        assert (p.schedule, p.precision, p.zb_max_pending_w) == ("zb-h1", precision, -1)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 7) for m in (p, 2 * p)])

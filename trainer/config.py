@@ -318,12 +318,9 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1, tensor_parallel > 1 "
                           "and train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
                           "use zero_stage: 1")
-    if p.schedule == "zb-h1" and p.precision != "fp32":
-        raise ConfigError(f"{where}: parallel.schedule=zb-h1 supports precision fp32 only (DeepSpeed's bf16/fp16 "
-                          "optimizers copy gradients right after each backward); use fp32 or schedule: 1f1b")
-    if p.schedule != "zb-h1" and p.zb_pending_w != 0:
-        raise ConfigError(f"{where}: parallel.zb_pending_w={p.zb_pending_w} applies to parallel.schedule: zb-h1 "
-                          f"only (the schedule is {p.schedule}); remove the key or set schedule: zb-h1")
+    if p.schedule != "zb-h1" and p.zb_max_pending_w != 0:
+        raise ConfigError(f"{where}: parallel.zb_max_pending_w={p.zb_max_pending_w} applies to parallel.schedule: "
+                          f"zb-h1 only (the schedule is {p.schedule}); remove the key or set schedule: zb-h1")
     if p.schedule == "zb-h1" and t.instrument_interval > 0:
         raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
                           "accumulation hooks, which zb-h1's deferred weight gradients bypass; set it to 0 "

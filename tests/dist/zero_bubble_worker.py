@@ -7,12 +7,15 @@ zb_drop, 1f1b_drop: dropout 0.1 everywhere and checkpointing every layer, under 
                  (dropout draws from each rank's stream in forward order, which both schedules
                  share, so the two must agree; the single process draws other masks).
 zb_subln:        ZB-H1 with Sub-LN (LayerNorms inside attention and FFN: sharded under TP).
-zb_auto:         ZB-H1 without a bound on pending W (parallel.zb_pending_w: -1): the paper's order
+zb_auto:         ZB-H1 without a bound on pending W (parallel.zb_max_pending_w: -1): the paper's order
                  in step 1, the order tuned to the F, B, W times of step 2 from step 3 on;
                  the others use the default bound 0 (W right after its own B).
 zb_filled:       as zb_auto, with costs given from the start (FILLED_COSTS), so every step runs
                  a filled order: the first stage defers (part of) its W too.
 zb_filled_drop:  zb_filled with zb_drop's dropout and checkpointing (against 1f1b_drop).
+zb_bf16, 1f1b_bf16, zb_fp16, 1f1b_fp16: each schedule in bf16 / fp16 with checkpointing every
+                 layer and, at tp = 1, zb_drop's dropout; zb_filled_bf16: zb_filled in bf16 (the
+                 first stage folds a share of its W after its own pass).
 Per scenario rank 0 writes losses and global gradient norms to `--out` (JSON), and every stage
 writes its parameters under the plain model's names to `--out`.<scenario>.stage<k>.tp<t>.pt.
 """
@@ -49,7 +52,9 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
         trainer.engine.tune_step = 0
     result = record_steps(trainer, steps, None)
     result["engine"] = type(trainer.engine).__name__
-    result["max_pending_w"] = getattr(trainer.engine, "max_pending_w", "1f1b")  # from parallel.zb_pending_w
+    result["precision"] = cfg.parallel.precision
+    result["skipped_steps"] = int(getattr(trainer.engine, "skipped_steps", 0))  # fp16 overflows
+    result["max_pending_w"] = getattr(trainer.engine, "max_pending_w", "1f1b")  # from parallel.zb_max_pending_w
     result["zb_orders"] = getattr(trainer.engine, "zb_orders", None)
     result["zb_cost"] = getattr(trainer.engine, "zb_cost", None)
     result["zb_share"] = getattr(trainer.engine, "zb_share", None)
@@ -73,17 +78,24 @@ def main() -> None:
     drop.parallel.activation_checkpoint_interval = 1
     subln = copy.deepcopy(cfg)
     subln.model.norm = "subln"
+    mixed = drop if cfg.parallel.tensor_parallel == 1 else cfg
     scenarios = {"zb": (cfg, "zb-h1", 0), "1f1b": (cfg, "1f1b", 0), "zb_ac": (cfg, "zb-h1", 1),
                  "zb_drop": (drop, "zb-h1", 1), "1f1b_drop": (drop, "1f1b", 1), "zb_subln": (subln, "zb-h1", 0),
-                 "zb_auto": (cfg, "zb-h1", 0), "zb_filled": (cfg, "zb-h1", 0), "zb_filled_drop": (drop, "zb-h1", 1)}
+                 "zb_auto": (cfg, "zb-h1", 0), "zb_filled": (cfg, "zb-h1", 0), "zb_filled_drop": (drop, "zb-h1", 1),
+                 **{f"{schedule}_{precision}": (mixed, schedule.replace("zb", "zb-h1"), 1)
+                    for schedule in ("zb", "1f1b") for precision in ("bf16", "fp16")},
+                 "zb_filled_bf16": (mixed, "zb-h1", 1)}
     results = {}
     for name in args.scenarios.split(","):
         base, schedule, interval = scenarios[name]
         scenario = copy.deepcopy(base)
         scenario.parallel.schedule = schedule
-        if name in ("zb_auto", "zb_filled", "zb_filled_drop"):
-            scenario.parallel.zb_pending_w = -1  # the config key the engine reads
+        if name.startswith(("zb_auto", "zb_filled")):
+            scenario.parallel.zb_max_pending_w = -1  # the config key the engine reads
         scenario.parallel.activation_checkpoint_interval = interval
+        for precision in ("bf16", "fp16"):
+            if name.endswith(precision):
+                scenario.parallel.precision = precision
         results[name] = run(scenario, name, args.steps, args.out)
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:
