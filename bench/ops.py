@@ -148,6 +148,43 @@ def count_layers(model, batch: int, src_len: int, tgt_len: int, compiled: bool) 
     return out
 
 
+def output_cost_ratio(model, tokens: int = 1024, repeats: int = 3) -> float:
+    """Seconds of the output layer with its loss (parallel/loss.py, forward + backward) over those
+    of its three matrix products alone (logits, and the gradients of the states and the weight);
+    (ratio − 1)·6·d is model/flops.py's LOGIT_COST on this device. Best of `repeats`."""
+    import torch
+
+    from parallel import accelerator
+    from parallel.loss import output_loss_sum
+
+    device = accelerator.device()
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, model.d_model, generator=g).to(device).requires_grad_()
+    weight = (torch.randn(model.vocab_size, model.d_model, generator=g) * model.d_model ** -0.5).to(device)
+    weight.requires_grad_()
+    target = torch.randint(4, model.vocab_size, (tokens,), generator=g).to(device)
+
+    def products():
+        z = h.detach() @ weight.detach().t()
+        return z @ weight.detach(), z.t() @ h.detach()
+
+    def loss():
+        output_loss_sum(h, weight, target, model.pad_id, model.label_smoothing).backward()
+
+    best = {}
+    for name, fn in (("products", products), ("loss", loss)):
+        fn()
+        times = []
+        for _ in range(repeats):
+            accelerator.synchronize()
+            start = time.perf_counter()
+            fn()
+            accelerator.synchronize()
+            times.append(time.perf_counter() - start)
+        best[name] = min(times)
+    return best["loss"] / best["products"]
+
+
 def compilations(model) -> dict:
     """Graphs compiled per layer kind and graph breaks over micro-batches of varying shapes in
     training (fwd + bwd), one of a single sentence (run eagerly), then two in evaluation."""
@@ -324,7 +361,9 @@ def table(result: dict) -> str:
     rows = ["| layer kind | eager | compiled |", "|---|---|---|"]
     for kind, n in result["kernel_ops_per_layer"].items():
         rows.append(f"| {kind} | {n['eager']} | {n.get('compiled', '—')} |")
-    lines = ["Kernel operations per layer, forward + backward:", "", *rows, ""]
+    lines = ["Kernel operations per layer, forward + backward:", "", *rows, "",
+             f"Output layer with its loss over its matrix products (time): {result['output_cost_ratio']:.2f}, "
+             f"i.e. {result['logit_cost']:.0f} FLOP-equivalents per logit beyond them (model/flops.py LOGIT_COST)"]
     if "engine_ops_per_step" in result:
         e = result["engine_ops_per_step"]
         lines.append(f"Engine operations per step beyond the model: fp32 {e['fp32']}, bf16 {e['bf16']}")
@@ -376,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                     "batch": {"sentences": args.batch, "source": args.src, "target": args.tgt}}
     layers = count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip)
     result["kernel_ops_per_layer"] = layers
+    result["output_cost_ratio"] = output_cost_ratio(model)
+    result["logit_cost"] = (result["output_cost_ratio"] - 1) * 6 * model.d_model
     if "compiled" not in skip:
         result.update(compilations(model))
     if not skip >= {"engine", "syncs"}:

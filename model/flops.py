@@ -53,14 +53,26 @@ def layer_forward_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: fl
     return 0.0
 
 
+LOGIT_COST = 1200.0
+"""FLOP-equivalents per logit (forward + backward) of the loss beyond the output layer's matrix
+products: the chunked loss (parallel/loss.py) takes the maximum, exponentials, sums and the
+gradient of every logit, passes over memory that cost the same whatever d is. So the output layer
+costs its products' 6·V·d per target token plus LOGIT_COST·V. `./run.sh bench ops` measures it
+(`logit_cost`: (time of the layer with its loss / time of its three products − 1) · 6·d): about
+900–1,600 on CPUs (d = 128–512, fp32); the GPU check measures it on GPUs."""
+
+
 def layer_costs(cfg: ModelConfig, src_len: int = 32, tgt_len: int = 32) -> list[float]:
-    """`layer_forward_flops` of every layer of the plan (model/transformer.py `layer_plan`), in
-    plan order, for one pair of typical length: the weights the pipeline stages are balanced by.
-    The embedding and the final LayerNorms weigh 0 (no matmul); the output layer 2·V·d per target
-    token, which makes the last stage heavy for large vocabularies."""
+    """The forward FLOPs (`layer_forward_flops`) of every layer of the plan (model/transformer.py
+    `layer_plan`), in plan order, for one pair of typical length: the weights the pipeline stages
+    are balanced by. The embedding and the final LayerNorms weigh 0 (no matmul); the output layer
+    its 2·V·d per target token and a third of the loss's LOGIT_COST·V, which makes the last stage
+    heavy for large vocabularies."""
     from model.transformer import layer_plan  # the plan needs torch's modules; the formulas do not
 
-    return [layer_forward_flops(cfg, layer.kind, src_len, tgt_len) for layer in layer_plan(cfg)]
+    loss = LOGIT_COST * cfg.vocab_size * tgt_len / 3
+    return [layer_forward_flops(cfg, layer.kind, src_len, tgt_len) + (loss if layer.kind == "output" else 0.0)
+            for layer in layer_plan(cfg)]
 
 
 def forward_flops(cfg: ModelConfig, src_len: float, tgt_len: float, *, layers_only: bool = False) -> float:
