@@ -25,29 +25,57 @@ DEVICES: dict[str, dict] = {
                   "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
 # Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
-# and communication (what step_time divides compute by). Per GPU type, measured where a GPU of
-# that type ran `./run.sh bench train` (bench/gpu.py: bf16, 4,096-target-token
-# micro-batches), one entry per model width measured; a model takes the entry of the nearest
-# width. The H100 figures are small because these shapes are host-bound there: the GPU waited
-# for Python, DeepSpeed and kernel launches most of the step (docs/bench/gpu-h100/report.md).
-# Other types keep the common assumption until measured. (d_model, efficiency, source)
-_ASSUMED = [(0, 0.35, "assumed (no measurement on this GPU type)")]
-_H100_BENCH = "docs/bench/gpu-h100/results.json"
-KERNEL_EFFICIENCY: dict[str, list[tuple[int, float, str]]] = {
-    "v100-32gb": _ASSUMED,
-    "a100-80gb": _ASSUMED,
-    "h100-80gb": [(64, 0.00041, f"measured: 100L-100L d=64, {_H100_BENCH}"),
-                  (512, 0.0224, f"measured: 18L-18L d=512, {_H100_BENCH}"),
-                  (1024, 0.119, f"measured: 12-layer slice of 100L-100L d=1024, {_H100_BENCH}")],
-}
+# and communication (what step_time divides compute by). One basis for every GPU type: until the
+# GPU check (bench/scripts/gpu_check.sh) has measured a type on the trainer's current path
+# (compiled layers, one sync per step), an estimate, the same for every type, that grows with the
+# micro-batch's target tokens and the model's width:
+#     E_MAX · t / (t + T_HALF) · d / (d + D_HALF)
+# A layer's matrix products are [t × d] × [d × 4d]-sized; at t = 2k and d = 1024 they are too small
+# to fill a GPU for most of the step, at 8k close to it (cuBLAS's bf16 GEMMs of that size reach
+# ~70% of the peak), and attention, LayerNorms and launches take the rest: 28% at 2k, 35% at 4k,
+# 40% at 8k for d = 1024, which is where measurements of Megatron-style training sit at this width
+# (42–48% MFU is reported for far wider models). Measured: a type whose GPU check is committed as
+# docs/bench/gpu-<type>/train.json (bench/gpu.py's results) takes its measured kernel efficiency of
+# the nearest (width, tokens). The H100 measurement of the eager, host-bound path (0.04–12%,
+# docs/bench/gpu-h100/report.md) no longer describes the trainer and is not used.
+E_MAX, T_HALF, D_HALF = 0.6, 1500.0, 256.0
+_MEASURED = "docs/bench/gpu-{key}/train.json"
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
 
-def kernel_efficiency(key: str, d_model: int) -> tuple[float, str]:
-    """The default kernel efficiency for GPU type `key` and a model of width `d_model`, and the
-    measurement it comes from (the entry of the nearest measured width, on a log scale)."""
-    entries = KERNEL_EFFICIENCY[key]
-    _, value, source = min(entries, key=lambda e: abs(math.log2(max(e[0], 1) / d_model)) if e[0] else 0.0)
-    return value, source
+
+def estimated_efficiency(d_model: int, tokens: float) -> float:
+    return E_MAX * tokens / (tokens + T_HALF) * d_model / (d_model + D_HALF)
+
+
+def measured_efficiency(key: str, root: str | None = None) -> list[tuple[int, int, float]]:
+    """(d_model, target tokens per micro-batch, kernel efficiency) of the committed GPU check of
+    type `key` (bench/gpu.py results: the compiled variant where measured), [] when none."""
+    import json
+    import os
+
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, _MEASURED.format(key=key.split("-")[0]))
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        results = json.load(f)
+    best: dict[tuple[int, int], float] = {}
+    for r in results:
+        for row in r["rows"]:
+            if math.isfinite(row["kernel_efficiency"]) and (r["variant"] == "compiled" or
+                                                             (r["model"][2], row["target_tokens_per_micro_batch"]) not in best):
+                best[(r["model"][2], row["target_tokens_per_micro_batch"])] = row["kernel_efficiency"]
+    return [(d, t, e) for (d, t), e in sorted(best.items())]
+
+
+def kernel_efficiency(key: str, d_model: int, tokens: float = 4096, root: str | None = None) -> tuple[float, str]:
+    """The kernel efficiency of GPU type `key` for a model of width `d_model` at `tokens` target
+    tokens per micro-batch, and where it comes from (see above)."""
+    measured = measured_efficiency(key, root)
+    if measured:
+        d, t, e = min(measured, key=lambda m: abs(math.log2(m[0] / d_model)) + abs(math.log2(m[1] / tokens)))
+        return e, f"measured on {DEVICES[key]['name']} at d={d}, {t} tokens ({_MEASURED.format(key=key.split('-')[0])})"
+    return estimated_efficiency(d_model, tokens), "estimated, as for every GPU type not yet measured (planner/devices.py)"
 
 
 def device_key(gpu_name: str) -> str | None:

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
     parser.add_argument("--mfu", type=float,
                         help="fraction of peak the kernels reach, before bubble and communication (default: "
-                             "measured per GPU type and model width, planner/devices.py KERNEL_EFFICIENCY)")
+                             "planner/devices.py kernel_efficiency: measured per GPU type where its GPU check is committed, "
+                             "else one estimate for every type by model width and micro-batch size)")
     parser.add_argument("--global-batch-tokens", type=int,
                         help="target tokens per optimizer step (default: the config's own, data_parallel × "
                              "micro_batches × max_tokens, in sentences of --seq-len tokens), so that the "
