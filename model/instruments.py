@@ -26,6 +26,7 @@ Definitions used in this project:
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -60,17 +61,20 @@ def update_norm(output: torch.Tensor, reference: torch.Tensor, mask: torch.Tenso
 
 
 class GradNorms:
-    """Per-layer gradient norms of the next backward pass(es) inside the `with` block.
+    """Per-layer gradient norms of the step whose backward pass(es) run inside the `with` block.
 
-    A post-accumulate hook on every parameter records ‖p.grad‖² each time autograd adds into
-    p.grad; the last record of a step is the norm of the gradient accumulated over all its
-    micro-batches (optimizers and engines that move gradients elsewhere act only after backward).
+    A post-accumulate hook on every parameter sees each gradient autograd writes into p.grad and
+    keeps the step's sum: where autograd accumulates into the same `.grad` (plain PyTorch, engines
+    with gradient buffers), the latest `.grad` is that sum; where an optimizer takes each backward's
+    gradient and frees `.grad` (parallel/optimizer.py), each new `.grad` is added to the sum kept
+    here. The result is the norm of the gradient accumulated over all the step's micro-batches.
     """
 
     def __init__(self, layers: dict[str, nn.Module]):
         self.layers = layers
-        self.squares: dict[nn.Parameter, float] = {}
-        """Parameter → ‖grad‖² at its latest accumulation."""
+        self.sums: dict[nn.Parameter, torch.Tensor] = {}
+        """Parameter → the step's gradient so far (fp32)."""
+        self._seen: dict[nn.Parameter, torch.Tensor] = {}
         self._handles: list = []
 
     def __enter__(self) -> GradNorms:
@@ -81,12 +85,23 @@ class GradNorms:
         return self
 
     def _record(self, p: torch.Tensor) -> None:
-        self.squares[p] = float(p.grad.detach().float().pow(2).sum())
+        grad = p.grad.detach()
+        if self._seen.get(p) is p.grad or p not in self.sums:  # accumulated in place: the sum itself
+            self.sums[p] = grad.float().clone()
+        else:  # a fresh tensor: this backward's gradient alone
+            self.sums[p] += grad.float()
+        self._seen[p] = p.grad
 
     def __exit__(self, *exc) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._seen.clear()
+
+    @functools.cached_property
+    def squares(self) -> dict[nn.Parameter, float]:
+        """Parameter → ‖its step's gradient‖² (read once the step's backward passes are done)."""
+        return {p: float(g.pow(2).sum()) for p, g in self.sums.items()}
 
     def result(self) -> dict[str, float]:
         """Layer name → gradient norm (layers that got no gradient are left out)."""
