@@ -78,7 +78,7 @@ def tie_output_weight(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, slot, target, pad_id: int, eps: float, group, vocab: int, rows: int):
+    def forward(ctx, h, weight, slot, target, pad_id: int, eps: float, group, vocab: int, rows: int, scale):
         tp_rank = dist.get_rank(group) if group is not None else 0
         local = weight.size(0)
         start = tp_rank * local
@@ -103,34 +103,36 @@ class _ChunkedLoss(torch.autograd.Function):
             p /= total_exp[:, None]
             p -= eps / vocab
             p.scatter_add_(1, index, -(1.0 - eps) * mine.float()[:, None])
-            p *= keep[:, None]
+            p *= keep[:, None] if scale is None else keep[:, None] * scale
             dz = p.to(h.dtype)
             grad_h[lo:lo + rows] = dz @ weight
             grad_w += (dz.t() @ hr).float()
         _all_reduce(grad_h, group)  # h is replicated: every vocabulary slice contributes
         ctx.save_for_backward(grad_h, grad_w)
         ctx.slot, ctx.weight_dtype = slot, weight.dtype
-        return total
+        return total if scale is None else total * scale
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
         ctx.slot.grad = (grad_w * grad).to(ctx.weight_dtype)  # for the tie's backward, next
-        return grad_h * grad.to(grad_h.dtype), None, None, None, None, None, None, None, None
+        # in fp32 (the incoming gradient is 1 from a loss that is summed as it is)
+        return (grad_h.float() * grad).to(grad_h.dtype), None, None, None, None, None, None, None, None, None
 
 
 def tied_output_loss_sum(states: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float, group=None,
-                         tp_size: int = 1) -> torch.Tensor:
+                         tp_size: int = 1, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over non-pad target tokens of the label-smoothed cross-entropy of the logits of `states`
     (from `tie_output_weight`) through their tied weight, fp32, without materialising them; the
     weight is this rank's vocabulary slice when `group` is the tensor-parallel group of `tp_size`
-    ranks."""
+    ranks. `scale` (an fp32 tensor): the sum times it, with the logits' gradient scaled before it is
+    rounded to the weights' precision, as autograd would scale it through `loss_sum * scale`."""
     weight, slot = states.output_weight
     h2 = states.reshape(-1, states.size(-1))
     local = weight.size(0)
     rows = max(1, min(h2.size(0), CHUNK_BYTES // (4 * local)))
     return _ChunkedLoss.apply(h2, weight.detach(), slot, target.reshape(-1), pad_id, eps, group,
-                              local * tp_size, rows)
+                              local * tp_size, rows, scale)
 
 
 def output_loss_sum(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,

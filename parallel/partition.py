@@ -110,5 +110,18 @@ def _spread(prefix: list[float], limit: float, parts: int) -> list[int]:
 def stage_bounds(cfg: ModelConfig, pp: int) -> list[int]:
     """The pipeline partition of `cfg` into `pp` stages: plan indices where stages start (pp + 1
     bounds), balancing model/flops.py's `layer_costs`. The trainer's pipeline module
-    (parallel/pipeline.py) and the planner both call this, so they cut the same stages."""
-    return partition_balanced(layer_costs(cfg), pp)
+    (parallel/pipeline.py) and the planner both call this, so they cut the same stages.
+
+    Stages are cut only before an encoder or decoder layer: the embedding goes with the first
+    encoder layer, a final LayerNorm with the layer before it and the output layer (with its loss)
+    with the last decoder layer, so every stage holds at least one of them. A stage of the output
+    layer alone (which its loss can make as heavy as a stage, on narrow models) would hold nothing
+    but the tied embedding's copy, whose gradient DeepSpeed's own optimizers leave out of a stage's
+    norm."""
+    from model.transformer import layer_plan
+
+    costs = layer_costs(cfg)
+    starts = [i for i, layer in enumerate(layer_plan(cfg)) if layer.kind in ("encoder", "decoder")][1:]
+    edges = [0, *starts, len(costs)]  # the units: plan layers between two possible cuts
+    units = [sum(costs[a:b]) for a, b in itertools.pairwise(edges)]
+    return [edges[i] for i in partition_balanced(units, pp)]

@@ -153,7 +153,7 @@ class TranslationPipe(PipelineModule):
             the last layer tied to its output (this rank's vocabulary slice under tensor parallelism)."""
             target, scale = labels
             group, size = (tp.group, tp.size) if tp is not None else (None, 1)
-            return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size) * scale
+            return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size, scale)
 
         super().__init__(
             layers=layer_specs(cfg, seed),

@@ -325,10 +325,10 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
                           "accumulation hooks, which zb-h1's deferred weight gradients bypass; set it to 0 "
                           "or use parallel.schedule: 1f1b")
-    n_layers = m.encoder_layers + m.decoder_layers + 2
+    n_layers = m.encoder_layers + m.decoder_layers
     if p.pipeline_stages > n_layers:
-        raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the "
-                          f"{n_layers} pipeline layers of the model")
+        raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the model's "
+                          f"{n_layers} encoder and decoder layers (a stage holds at least one)")
     if p.partition_method.startswith("type:"):
         check_type_partition(cfg, where)
 
