@@ -65,11 +65,10 @@ def keep_freed_host_memory(kept: int = HOST_MEMORY_KEPT) -> bool:
     activations, hundreds of MB. glibc gives free memory at the top of its heap back to the
     operating system beyond a trim threshold (and serves blocks above its mmap threshold by
     mmap, freed by munmap), so the next step faults those pages in again and the kernel zeroes
-    them: 14,000–23,000 minor page faults per step of 100L-100L d=64 at 32 × (32 + 32) tokens,
-    4–11% of its CPU time (steps alternated in one process, docs/bench/host-malloc.md). Fixing
+    them, thousands of page faults a step (measured in docs/bench/host-malloc.md). Fixing
     M_TRIM_THRESHOLD and M_MMAP_THRESHOLD at `kept` (glibc's own tunables, through mallopt)
-    leaves 0–150. The
-    peak RSS (the high-water mark) does not change; between steps RSS stays near it.
+    leaves almost none. The peak RSS (the high-water mark) does not change; between steps RSS
+    stays near it.
 
     Nothing changes under another C library, or when the user tunes glibc's malloc through its
     own variables (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, MALLOC_TOP_PAD_, or a

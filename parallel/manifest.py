@@ -8,9 +8,9 @@ only then `latest`. A process killed anywhere before that leaves the previous ch
 newest committed one. `verify` deals the manifest's files out the same way and each rank checks
 size, then hash of its share; every rank gets the same list of problems.
 
-Measured on this machine's CPU (SHA-NI): 1.4–1.5 GB/s per core, i.e. about 0.7 s of CPU per GB
-and per rank, read from page cache; with ranks hashing their shares in parallel the wall time of a
-stage is its largest share over the disk's read rate.
+Hashing reads every file once more (from page cache, at the CPU's SHA-256 rate: see
+docs/operations.md for the measured cost); with ranks hashing their shares in parallel the wall
+time of a stage is its largest share over the disk's read rate.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Balanced pipeline partition: contiguous stages whose heaviest stage is as light as possible.
 
 DeepSpeed's `partition_balanced` (deepspeed/runtime/utils.py, 0.19.8) is a dynamic programme over
-(layer, stage, split point), O(n²·p) in Python: for the 1,002 plan layers of 500L-500L it took
-4 s at pp=2, 29 s at pp=16 and 148 s at pp=64 here, on every rank at start-up. What a pipeline's
+(layer, stage, split point), O(n²·p) in Python: for the 1,002 plan layers of 500L-500L it takes
+minutes at pp=64, on every rank at start-up (docs/benchmarks.md). What a pipeline's
 step time depends on is the heaviest stage (the bottleneck), and that optimum has a direct
 O(n + p·log n·log(1/ε)) solution:
 

@@ -190,9 +190,9 @@ class TranslationPipe(PipelineModule):
 
     def train(self, mode: bool = True):
         """`nn.Module.train`, skipping the walk over every submodule when this module last set them
-        all to `mode`: DeepSpeed's `train_batch` calls `train()` every step (4,705 modules at
-        100L-100L, 21 ms of CPU there). Mode changes must go through this module, as DeepSpeed's
-        and the trainer's do."""
+        all to `mode`: DeepSpeed's `train_batch` calls `train()` every step, and walking the
+        thousands of modules of a deep stage costs milliseconds of host time each time. Mode
+        changes must go through this module, as DeepSpeed's and the trainer's do."""
         if mode == self.training and self.__dict__.get("_all_in_mode") is mode:
             return self
         super().train(mode)
