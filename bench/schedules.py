@@ -1,7 +1,10 @@
-"""`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved.
+"""`./run.sh bench schedules`: 1F1B and ZB-H1 trained side by side in one launch, steps interleaved;
+or the costs per layer kind that ZB-H1 depends on, measured on this device, and their replay.
 
     ./run.sh bench schedules [CONFIG] [--pp 2] [--micro-batches 4,8] [--zb-max-pending-w=0,-1]
                              [--warmup 2] [--steps 4] [--out DIR]
+    ./run.sh bench schedules --measure-costs [eager,compiled] [--d-model 1024] --out DIR   (bench/zb_costs.py)
+    ./run.sh bench schedules --replay DIR/zb-costs.json --pp 2,4,8,16 --out DIR2            (bench/zb_replay.py)
 
 `./run.sh bench train` runs each layout in its own launch, one after the other; on a shared
 machine the load changes between them and with it wall and even CPU time (two ranks per core
@@ -24,6 +27,9 @@ import subprocess
 import sys
 import time
 
+
+
+OUT = "runs/bench-schedules"
 
 
 def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
@@ -141,15 +147,33 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="run.sh bench schedules", description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"YAML run config (default {DEFAULT_CONFIG})")
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--micro-batches", default="4,8", help="comma-separated (one launch each)")
+    parser.add_argument("--pp", default="2", help="pipeline stages (--replay: comma-separated)")
+    parser.add_argument("--micro-batches", help="comma-separated (one launch each; default 4,8; --replay: the paper "
+                                                "configs' counts)")
+    costs = parser.add_argument_group("costs per layer kind (bench/zb_costs.py, bench/zb_replay.py)")
+    costs.add_argument("--measure-costs", nargs="?", const="eager,compiled", metavar="MODES",
+                       help="measure F, B, W per layer kind on this device (eager, compiled or both: the default)")
+    costs.add_argument("--model", default="deepnet-100-100-1024", help="--measure-costs: a config name or YAML path")
+    costs.add_argument("--d-model", type=int, help="--measure-costs: this width (FFN 4·d, d/64 heads) instead of the model's")
+    costs.add_argument("--sequences", type=int, help="--measure-costs: pairs per micro-batch (default: the config's "
+                                                     "data.max_tokens / --seq-len)")
+    costs.add_argument("--seq-len", type=int, default=128, help="--measure-costs: tokens per source and target sentence")
+    costs.add_argument("--precision", help="--measure-costs: fp32 | bf16 | fp16 (default bf16 on GPUs, fp32 on CPUs)")
+    costs.add_argument("--timed", type=int, default=4, help="--measure-costs: micro-batches per timed phase")
+    costs.add_argument("--repeats", type=int, default=3, help="--measure-costs: timed rounds (the median counts)")
+    costs.add_argument("--replay", metavar="COSTS.json", help="replay 1F1B and ZB-H1 on measured costs")
+    costs.add_argument("--mode", choices=("eager", "compiled"), help="--replay: which measurement (default compiled "
+                                                                    "on GPUs, eager on CPUs)")
+    costs.add_argument("--gpu", default="h100-80gb", help="--replay: the GPU type the memory is priced on")
+    costs.add_argument("--gpus", type=int, default=128, help="--replay: GPUs (dp = gpus / pp for the memory)")
+    costs.add_argument("--checkpoint", action="store_true", help="--replay: with activation checkpointing")
     parser.add_argument("--zb-max-pending-w", default="0,-1",
                         help="ZB-H1 variants: k >= 0 at most k pending weight passes per stage (0: the default); "
                              "-1 no bound (the order tuned to the measured costs)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="untimed steps per schedule (ZB-H1 tunes its order to the costs of its second step)")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--out", default="runs/bench-schedules")
+    parser.add_argument("--out", default=OUT)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
@@ -157,6 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_costs or args.replay:
+        if args.out == OUT:
+            args.out = "runs/zb-costs" if args.measure_costs else "runs/zb-replay"
+        if args.measure_costs:
+            from bench import zb_costs
+
+            if args.sequences is None:
+                args.sequences = max(1, zb_costs.config_max_tokens(args.model) // args.seq_len)
+            return zb_costs.run(args)
+        from bench import zb_replay
+
+        return zb_replay.run(args)
+    args.micro_batches = args.micro_batches or "4,8"
+    try:
+        args.pp = int(args.pp)
+    except ValueError:
+        parser.error(f"--pp {args.pp}: one pipeline depth (a list only with --replay)")
     pending = [int(x) for x in args.zb_max_pending_w.split(",")]
     if args.worker:
         args.pending, args.micro_batches, args.out = pending, args.micro_batch_count, args.result

@@ -232,6 +232,7 @@ class _SplitBias(torch.autograd.Function):
         return g, None, None
 
 
+@torch.compiler.disable  # inside a compiled layer: a graph break, the split run as it is
 def _linear_forward(module: nn.Linear, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
     return _SplitLinear.apply(x, module.weight, module.bias, store)
 
@@ -252,6 +253,7 @@ def _logits(module: SharedEmbedding, store: WeightGradStore, h: torch.Tensor) ->
 # megatron-core's tensor-parallel layers as parallel/tensor.py builds them: the same collectives
 # around the same local matmuls as megatron's forward, with the matmuls split.
 
+@torch.compiler.disable  # inside a compiled layer: a graph break, the split run as it is
 def _column_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
     """ColumnParallelLinear: input copied to the region (all-reduce of dx in backward)."""
     from parallel.tensor import megatron
@@ -260,6 +262,7 @@ def _column_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) 
     return _SplitLinear.apply(x, module.weight, module.bias, store)
 
 
+@torch.compiler.disable  # inside a compiled layer: a graph break, the split run as it is
 def _row_forward(module: nn.Module, store: WeightGradStore, x: torch.Tensor) -> torch.Tensor:
     """RowParallelLinear (input already split): local matmul, all-reduce, then the bias."""
     from parallel.tensor import megatron
@@ -302,14 +305,21 @@ def _tp_layer_norm_forward(module: nn.Module, store: WeightGradStore, x: torch.T
 def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
     """Give every weight-bearing module under `module` a forward whose backward defers W to
     `store`; returns how many modules were split. Raises if a trainable parameter is left that
-    no split covers (its gradient would still be computed in B, silently unsplit)."""
+    no split covers (its gradient would still be computed in B, silently unsplit).
+
+    LayerNorms keep their own forward unless the store defers the cheap gradients
+    (`defer_cheap`): their affine gradients belong to B then, which autograd computes as it is,
+    and inside a compiled layer they stay fused with the residual add (a split module is a graph
+    break: `torch.compiler.disable` on the split linears, whose autograd functions hand work to
+    the store, which no graph can hold)."""
     covered: set[int] = set()
     count = 0
     for sub in module.modules():
         if type(sub) is nn.Linear:
             sub.forward = functools.partial(_linear_forward, sub, store)
         elif type(sub) is nn.LayerNorm and sub.elementwise_affine:
-            sub.forward = functools.partial(_layer_norm_forward, sub, store)
+            if store.defer_cheap:  # otherwise autograd's own backward: its dγ, dβ are in B anyway
+                sub.forward = functools.partial(_layer_norm_forward, sub, store)
         elif type(sub) is SharedEmbedding and isinstance(sub.lookup, VocabParallelLookup):
             vocab = sub.lookup
             sub.lookup = functools.partial(_vocab_parallel_lookup, vocab, store)
@@ -318,7 +328,8 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
             sub.lookup = functools.partial(_lookup, sub, store)
             sub.logits = functools.partial(_logits, sub, store)
         elif type(sub) is TensorParallelLayerNorm:
-            sub.forward = functools.partial(_tp_layer_norm_forward, sub, store)
+            if store.defer_cheap:
+                sub.forward = functools.partial(_tp_layer_norm_forward, sub, store)
         elif "ColumnParallelLinear" in (bases := {c.__name__ for c in type(sub).__mro__}):
             sub.forward = functools.partial(_column_forward, sub, store)
         elif "RowParallelLinear" in bases:

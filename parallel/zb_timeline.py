@@ -119,12 +119,19 @@ def tuned_schedule(stages: int, micro_batches: int, cost: dict[str, float] | lis
     At unit costs that is the paper's order. All candidates are fixed patterns: chosen on costs
     measured in one step they stay good when later steps' costs move by ±10% (a list schedule
     fitted to the measured costs did not)."""
+    return tuned_schedule_span(stages, micro_batches, cost, max_pending, tolerance)[:2]
+
+
+def tuned_schedule_span(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+                        max_pending: int | None = None,
+                        tolerance: float = 0.005) -> tuple[list[list[tuple[str, int]]], float, float]:
+    """tuned_schedule's (orders, share) and the makespan of that choice."""
     p, m = stages, micro_batches
     candidates = schedule_candidates(p, m, max_pending)
     spans = [max(ops[-1][1] for ops in simulate(p, m, with_first_stage_share(cost, p, share), fixed(orders)))
              for orders, share in candidates]
     best = min(spans)
-    return next(choice for choice, span in zip(candidates, spans) if span <= best * (1.0 + tolerance))
+    return next((*choice, span) for choice, span in zip(candidates, spans) if span <= best * (1.0 + tolerance))
 
 
 def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,

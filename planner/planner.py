@@ -26,9 +26,12 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
 Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
 per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the point-to-point send),
 then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
-ZB-H1 (`Candidate.schedule`): the slot splits into F, B (input gradient) and W (weight gradients),
-and the pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors each stage
-holds (`weight_grad_bytes`: stage s > 0 keeps s micro-batches' worth).
+ZB-H1 (`Candidate.schedule`): the slot splits into F, B (input gradient) and W (weight gradients)
+in the proportions measured per layer kind on the device type (or the FLOP model's), and the
+pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors of the W each stage
+keeps pending in the order the engine would run (planner/zb.py). `candidate_layouts` offers every
+pipelined layout under 1F1B and under ZB-H1 with each bound of pending W (0: 1F1B's memory; none),
+so a search proposes ZB-H1 where it is faster within memory.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from parallel.accelerator import HOST
 from parallel.loss import CHUNK_BYTES
 from planner.devices import Device
 from parallel.partition import stage_bounds
+from planner.zb import weight_flops, weight_grad_bytes  # noqa: F401 (the planner's ZB-H1 model, planner/zb.py)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -89,6 +93,13 @@ class Candidate:
     zb_max_pending: int | None = 0
     """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_max_pending_w (0:
     1F1B's memory on every stage; None where the config says -1: no bound, the tuned order)."""
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule as the config sets it: 1f1b, or zb-h1 with its zb_max_pending_w."""
+        if self.schedule != "zb-h1":
+            return self.schedule
+        return f"zb-h1(w={-1 if self.zb_max_pending is None else self.zb_max_pending})"
     zero: int = 1
     """parallel.zero_stage: 1 (ZeRO-1) or 0 (the client optimizer on the weights)."""
 
@@ -98,8 +109,9 @@ class Candidate:
 
     def describe(self) -> str:
         ac = f"ac{self.checkpoint}" if self.checkpoint else "no-ac"
+        zb = f" {self.schedule_name}" if self.schedule != "1f1b" else ""
         return (f"pp{self.pp}·tp{self.tp}·dp{self.dp} m={self.micro_batches} "
-                f"mb={self.sequences}×({self.src_len}+{self.tgt_len}) {ac} {self.precision}")
+                f"mb={self.sequences}×({self.src_len}+{self.tgt_len}) {ac} {self.precision}{zb}")
 
 
 # Bytes per parameter of a stage's shard: (kept between steps), (gradients: allocated during
@@ -181,29 +193,9 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
 
 
-def weight_grad_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len: int, tgt_len: int,
-                      element: int) -> float:
-    """Bytes ZB-H1 keeps per plan layer and micro-batch between its B and its W: each linear's
-    input and output gradient (biases, LayerNorms and the embedding get their gradients in B).
-
-    Encoder layer, per source token: inputs 3d + f (attention input, shared by Q, K, V; output
-    projection; fc1; fc2), gradients 5d + f. Decoder layer, per target token inputs 5d + f and
-    gradients 7d + f; per source token the cross-attention K/V input and their two gradients
-    (3d). The output layer keeps h and the gradient of the logits (V per token).
-    """
-    d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
-    ns, nt = sequences * src_len, sequences * tgt_len
-    if kind == "encoder":
-        return ns * element * (8 * d + 2 * f)
-    if kind == "decoder":
-        return nt * element * (12 * d + 2 * f) + ns * element * 3 * d
-    if kind == "output":
-        return nt * element * (d + v)
-    return 0.0
-
-
-def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -> dict[str, float]:
-    """Peak bytes of one stage, by component, at whichever moment is larger (see module doc)."""
+def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, zb: dict | None = None) -> dict[str, float]:
+    """Peak bytes of one stage, by component, at whichever moment is larger (see module doc).
+    `zb`: ZB-H1's pending-W peaks and first-stage share (`zb_pipeline`'s; default: this layout's)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
@@ -247,18 +239,15 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device) -
     if layout.schedule == "zb-h1":
         # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
         # order: `stage` of them, the last stage p − 1; the filled orders one more on the first
-        # stage, or a share of one, and the full filled order one more on every stage). Planned:
-        # the order the engine would tune to at the FLOP model's costs (it tunes to measured
-        # ones, where a filled order holds up to one W set more per stage). The micro-batch going
+        # stage, or a share of one, and the full filled order one more on every stage): the order
+        # the engine would tune to at the planner's costs (planner/zb.py). The micro-batch going
         # through B turns its activations into its W tensors (the linear inputs are the same
         # tensors), so B's peak is 1F1B's plus the pending ones. With checkpointing these are
         # recomputed tensors. Measured (bench, pp = 2, default model, paper's order): the last
         # stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
-        from parallel.zb_timeline import pending_peak
-
+        zb = zb or zb_pipeline(cfg, layout, dev)
         held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        orders, share = zb_schedule(cfg, layout)
-        activations += pending_peak(orders[stage]) * (share if stage == 0 else 1.0) * held
+        activations += zb["pending_peaks"][stage] * (zb["first_share"] if stage == 0 else 1.0) * held
     # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
     # with one micro-batch in flight the previous one's output (the logits, on the last stage)
     # and received input are still held.
@@ -290,34 +279,71 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbs: float) -> float:
     return 2 * (ranks - 1) / ranks * nbytes / (gbs * 1e9) + 2 * (ranks - 1) * 20e-6
 
 
-def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> dict[str, float]:
-    """Estimated seconds per optimizer step and its parts (see module doc)."""
-    peak = dev.peak_tflops[layout.precision] * 1e12
+def _stage_comm(cfg: ModelConfig, layout: Candidate, dev: Device) -> tuple[list[float], float]:
+    """Per stage the tensor-parallel all-reduce seconds of a micro-batch, and the point-to-point send's."""
     e = ELEMENT_BYTES[layout.precision]
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
-    per_stage = []
+    tp_comm = []
     for kinds in stage_kinds(cfg, layout.pp):
-        fwd = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds)
-        recompute = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds if k in ("encoder", "decoder"))
-        flops = 3 * fwd + (recompute if layout.checkpoint else 0)
-        compute = flops / layout.tp / (peak * mfu)
         # Megatron TP: 2 all-reduces of [B·len, d] per attention/FFN block, forward and backward.
         blocks = sum(2 * s if k == "encoder" else 3 * t if k == "decoder" else 0 for k in kinds)
-        tp_comm = 2 * _allreduce_seconds(b * blocks * cfg.d_model * e, layout.tp, dev.intra_gbs)
-        per_stage.append((compute, tp_comm))
-    compute, tp_comm = max(per_stage, key=lambda x: x[0] + x[1])
+        tp_comm.append(2 * _allreduce_seconds(b * blocks * cfg.d_model * e, layout.tp, dev.intra_gbs))
     # Stages on different nodes talk over the network; each GPU gets its share of the node's link.
     ranks_per_stage = layout.tp * layout.dp
     p2p_gbs = dev.intra_gbs if ranks_per_stage * layout.pp <= dev.gpus_per_node else dev.inter_node_gbs / dev.gpus_per_node
     p2p = 2 * b * (s + t) * cfg.d_model * e / (p2p_gbs * 1e9) if layout.pp > 1 else 0.0
+    return tp_comm, p2p
+
+
+def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> dict[str, float]:
+    """Forward + backward seconds of one layer of each kind for a micro-batch (3 forwards' FLOPs)."""
+    peak = dev.peak_tflops[layout.precision] * 1e12 * mfu
+    b, s, t = layout.sequences, layout.src_len, layout.tgt_len
+    return {k: 3 * b * layer_forward_flops(cfg, k, s, t) / layout.tp / peak for k in ("encoder", "decoder", "output")}
+
+
+def zb_pipeline(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float = 1.0, zb_costs: dict | None = None) -> dict:
+    """ZB-H1's pipeline phase (planner/zb.py `pipeline`) of `layout`: each stage's 1F1B compute split
+    into F, B, W by the per-kind costs (`zb_costs`; default: those measured on this device type,
+    else the FLOP model's), its communication half in F, half in B. With mfu = 1 (memory's
+    default) the order is chosen at compute-only proportions."""
+    from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
+
+    measured, source = (zb_costs, "given") if zb_costs else measured_costs(dev.name, cfg.d_model)
+    kind_costs = measured or flop_costs(cfg, layout.src_len, layout.tgt_len)
+    seconds = _layer_seconds(cfg, layout, dev, mfu)
+    tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu != 1.0 else ([0.0] * layout.pp, 0.0)
+    per_stage = []
+    for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comm):
+        cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint))
+        cost["F"] += (comm + p2p) / 2
+        cost["B"] += (comm + p2p) / 2
+        per_stage.append(cost)
+    return {**pipeline(layout.pp, layout.micro_batches, per_stage, layout.zb_max_pending), "source": source}
+
+
+def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float, zb_costs: dict | None = None) -> dict:
+    """Estimated seconds per optimizer step and its parts (see module doc); for ZB-H1 also "zb",
+    zb_pipeline's answer (the orders' pending W, for stage_memory)."""
+    seconds = _layer_seconds(cfg, layout, dev, mfu)
+    recompute = {k: v / 3 if layout.checkpoint and k in ("encoder", "decoder") else 0.0 for k, v in seconds.items()}
+    tp_comms, p2p = _stage_comm(cfg, layout, dev)
+    per_stage = [(sum(seconds.get(k, 0.0) + recompute.get(k, 0.0) for k in kinds), comm)
+                 for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comms)]
+    compute, tp_comm = max(per_stage, key=lambda x: x[0] + x[1])
     slot = compute + tp_comm + p2p
     pipeline = (layout.micro_batches + layout.pp - 1) * slot
     bubble = (layout.pp - 1) * slot
     bubble_fraction = (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)
+    zb = None
     if layout.schedule == "zb-h1":
-        pipeline, bubble_fraction = _zb_h1_pipeline(cfg, layout, compute, tp_comm, p2p)
+        zb = zb_pipeline(cfg, layout, dev, mfu, zb_costs)
+        pipeline, bubble_fraction = zb["seconds"], zb["bubble_fraction"]
         bubble = bubble_fraction * pipeline
+        compute = sum(zb["cost"].values()) - tp_comm - p2p  # with the split's own cost
     # Data parallel: fp32 gradient reduction (bf16 accumulates in fp32) + all-gather of weights.
+    e = ELEMENT_BYTES[layout.precision]
+    ranks_per_stage = layout.tp * layout.dp
     params = max(sum(layer_params(cfg, k, layout.tp) for k in kinds) for kinds in stage_kinds(cfg, layout.pp))
     grad_bytes = 2 if layout.precision == "fp16" else 4
     dp_gbs = dev.intra_gbs if ranks_per_stage <= dev.gpus_per_node else dev.inter_node_gbs / dev.gpus_per_node
@@ -328,59 +354,7 @@ def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> d
     return {"total": total, "compute": (layout.micro_batches) * compute, "bubble": bubble,
             "tp_comm": layout.micro_batches * tp_comm, "pp_comm": layout.micro_batches * p2p,
             "dp_comm": dp_comm, "optimizer": optimizer,
-            "bubble_fraction": bubble_fraction}
-
-
-def weight_flops(cfg: ModelConfig, kind: str, src_len: float, tgt_len: float) -> float:
-    """FLOPs of one plan layer's weight gradients (W): one matmul per weight matrix, as large as
-    its forward matmul. Attention's score and mixing matmuls have no weights (all of their
-    backward is B)."""
-    d, s, t = cfg.d_model, float(src_len), float(tgt_len)
-    attention = {"encoder": 4 * d * s * s, "decoder": 4 * d * (t * t + t * s)}.get(kind, 0.0)
-    return layer_forward_flops(cfg, kind, s, t) - attention
-
-
-def _zb_h1_pipeline(cfg: ModelConfig, layout: Candidate, compute: float, tp_comm: float,
-                    p2p: float) -> tuple[float, float]:
-    """(seconds, bubble fraction) of ZB-H1's pipeline phase: the simulated timeline
-    (parallel/zb_timeline.py) with the slowest stage's F, B and W on every stage. F = forward;
-    W = the weight-gradient matmuls; B = the rest of the backward, recomputation included.
-    Communication goes with F (activations) and B (gradients)."""
-    from parallel.zb_timeline import fixed, simulate, with_first_stage_share
-
-    f_share, w_share = _zb_shares(cfg, layout)
-    cost = {"F": compute * f_share + (tp_comm + p2p) / 2, "W": compute * w_share}
-    cost["B"] = compute + tp_comm + p2p - cost["F"] - cost["W"]
-    orders, share = zb_schedule(cfg, layout)
-    timeline = simulate(layout.pp, layout.micro_batches, with_first_stage_share(cost, layout.pp, share), fixed(orders))
-    seconds = max(ops[-1][1] for ops in timeline)
-    return seconds, 1.0 - layout.micro_batches * (compute + tp_comm + p2p) / seconds
-
-
-def _zb_shares(cfg: ModelConfig, layout: Candidate) -> tuple[float, float]:
-    """The slowest stage's F and W shares of its compute (FLOP model; W = the weight-gradient
-    matmuls, B the rest of the backward, recomputation included)."""
-    b, s, t = layout.sequences, layout.src_len, layout.tgt_len
-    shares = []
-    for kinds in stage_kinds(cfg, layout.pp):
-        fwd = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds)
-        w = sum(b * weight_flops(cfg, k, s, t) for k in kinds)
-        recompute = sum(b * layer_forward_flops(cfg, k, s, t) for k in kinds if k in ("encoder", "decoder"))
-        total = 3 * fwd + (recompute if layout.checkpoint else 0)
-        shares.append((total, fwd / total if total else 1 / 3, w / total if total else 1 / 3))
-    _, f_share, w_share = max(shares)
-    return f_share, w_share
-
-
-def zb_schedule(cfg: ModelConfig, layout: Candidate) -> tuple[list[list[tuple[str, int]]], float]:
-    """The ZB-H1 orders (and the first stage's deferred share of W) the engine would tune to at
-    the FLOP model's F, B and W shares (parallel/zb_timeline.py's tuned_schedule; the choice
-    depends only on their ratios)."""
-    from parallel.zb_timeline import tuned_schedule
-
-    f_share, w_share = _zb_shares(cfg, layout)
-    cost = {"F": f_share, "B": 1.0 - f_share - w_share, "W": w_share}
-    return tuned_schedule(layout.pp, layout.micro_batches, cost, layout.zb_max_pending)
+            "bubble_fraction": bubble_fraction, "zb": zb}
 
 
 @dataclass(frozen=True)
@@ -407,16 +381,23 @@ class Plan:
 def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> Plan:
     from model.flops import training_flops
 
-    stages = [stage_memory(cfg, layout, s, dev) for s in range(layout.pp)]
+    time = step_time(cfg, layout, dev, mfu)
+    stages = [stage_memory(cfg, layout, s, dev, time["zb"]) for s in range(layout.pp)]
     pairs = layout.sequences * layout.micro_batches * layout.dp
-    return Plan(layout, stages, step_time(cfg, layout, dev, mfu), pairs * layout.tgt_len,
+    return Plan(layout, stages, time, pairs * layout.tgt_len,
                 pairs * training_flops(cfg, layout.src_len, layout.tgt_len))
 
 
+ZB_BOUNDS = (0, None)
+"""The bounds of pending W the planner offers with ZB-H1 (parallel.zb_max_pending_w 0 and -1)."""
+
+
 def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens: int, seq_len: int,
-                      microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None) -> list[Candidate]:
+                      microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None,
+                      schedules: tuple[str, ...] = ("1f1b", "zb-h1")) -> list[Candidate]:
     """Every pp × tp × dp = gpus with tp inside a node dividing heads, FFN and vocabulary, every
-    micro-batch size, and checkpointing off/every layer. m follows from the global batch."""
+    micro-batch size, and checkpointing off/every layer; pipelined ones under each of `schedules`
+    (ZB-H1 with each of ZB_BOUNDS). m follows from the global batch."""
     n_layers = cfg.encoder_layers + cfg.decoder_layers + 2
     out = []
     for tp in (1, 2, 4, 8):
@@ -430,8 +411,12 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
                 sequences = max(1, tokens // seq_len)
                 m = max(1, math.ceil(global_tokens / (dp * sequences * seq_len)))
                 for ckpt in (0, 1):
-                    out.append(Candidate(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
-                                         tgt_len=seq_len, checkpoint=ckpt, precision=precision))
+                    base = Candidate(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
+                                     tgt_len=seq_len, checkpoint=ckpt, precision=precision)
+                    if "1f1b" in schedules or pp == 1:
+                        out.append(base)
+                    if "zb-h1" in schedules and pp > 1:
+                        out += [dataclasses.replace(base, schedule="zb-h1", zb_max_pending=bound) for bound in ZB_BOUNDS]
     return out
 
 

@@ -24,9 +24,11 @@ def explain(fits: list, too_big: list, dev: Device) -> list[str]:
                  f"activations {worst['activations'] / gib:.1f}, buffers {worst['buffers'] / gib:.1f}; peak in the "
                  f"{worst['peak_phase']}).")
     t = best.time
+    how = "ZB-H1's simulated order" if lay.schedule == "zb-h1" else "(p−1)/(m+p−1)"
     lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
-                 f"({t['bubble_fraction']:.1%} = (p−1)/(m+p−1)), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
+                 f"({t['bubble_fraction']:.1%} = {how}), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
                  f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
+    lines += schedule_lines(best, fits + too_big, dev)
     shallower = [p for p in too_big if p.layout.pp < lay.pp]
     if shallower and not any(p.layout.pp < lay.pp for p in fits):
         p = min(shallower, key=lambda p: p.peak_bytes)
@@ -41,6 +43,32 @@ def explain(fits: list, too_big: list, dev: Device) -> list[str]:
             lines.append(f"- Best plan {label}: {alt.layout.describe()}, {alt.tokens_per_s / best.tokens_per_s - 1:+.1%} "
                          "throughput.")
     return lines
+
+
+def schedule_lines(best, plans: list, dev: Device) -> list[str]:
+    """The best layout under its other pipeline schedules: what ZB-H1 gains against 1F1B there."""
+    import dataclasses
+
+    lay = best.layout
+    if lay.pp == 1:
+        return []
+    by_layout = {p.layout: p for p in plans}
+    one = by_layout.get(dataclasses.replace(lay, schedule="1f1b", zb_max_pending=0))
+    zbs = [p for p in plans if p.layout.schedule == "zb-h1" and p.layout == dataclasses.replace(
+        lay, schedule="zb-h1", zb_max_pending=p.layout.zb_max_pending)]
+    if one is None or not zbs:
+        return []
+    gib, usable = 2**30, dev.usable_bytes()
+    t1 = one.time
+    parts = []
+    for z in sorted(zbs, key=lambda p: p.time["total"]):
+        fits = "" if z.peak_bytes <= usable else ", does not fit"
+        parts.append(f"{z.layout.schedule_name} {z.time['total']:.3f} s ({z.time['total'] / t1['total'] - 1:+.1%}, "
+                     f"bubble {z.time['bubble_fraction']:.1%}, heaviest stage {z.peak_bytes / gib:.1f} GiB{fits})")
+    source = zbs[0].time["zb"]["source"]
+    return [f"- Schedules of this layout: 1f1b {t1['total']:.3f} s per step (bubble {t1['bubble_fraction']:.1%}, "
+            f"heaviest stage {one.peak_bytes / gib:.1f} GiB); " + "; ".join(parts)
+            + f". F, B, W per layer kind: {source}."]
 
 
 def table(plans: list, dev: Device, budget: tuple[str, float] | None) -> list[str]:
@@ -100,6 +128,7 @@ def config_snippet(best, dev: Device) -> list[str]:
               "train": {"micro_batches": lay.micro_batches}}
     if lay.schedule != "1f1b":
         values["parallel"]["schedule"] = lay.schedule
+        values["parallel"]["zb_max_pending_w"] = -1 if lay.zb_max_pending is None else lay.zb_max_pending
     nodes = max(1, lay.world // dev.gpus_per_node)
     per_node = lay.world // nodes
     text = [f"{section}:" + "".join(f"\n  {key}: {value}" for key, value in keys.items())
