@@ -302,17 +302,18 @@ def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float)
     return {k: 3 * b * layer_forward_flops(cfg, k, s, t) / layout.tp / peak for k in ("encoder", "decoder", "output")}
 
 
-def zb_pipeline(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float = 1.0, zb_costs: dict | None = None) -> dict:
+def zb_pipeline(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float | None = None,
+                zb_costs: dict | None = None) -> dict:
     """ZB-H1's pipeline phase (planner/zb.py `pipeline`) of `layout`: each stage's 1F1B compute split
     into F, B, W by the per-kind costs (`zb_costs`; default: those measured on this device type,
-    else the FLOP model's), its communication half in F, half in B. With mfu = 1 (memory's
+    else the FLOP model's), its communication half in F, half in B. Without an mfu (memory's
     default) the order is chosen at compute-only proportions."""
     from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
 
     measured, source = (zb_costs, "given") if zb_costs else measured_costs(dev.name, cfg.d_model)
     kind_costs = measured or flop_costs(cfg, layout.src_len, layout.tgt_len)
-    seconds = _layer_seconds(cfg, layout, dev, mfu)
-    tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu != 1.0 else ([0.0] * layout.pp, 0.0)
+    seconds = _layer_seconds(cfg, layout, dev, mfu or 1.0)
+    tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu else ([0.0] * layout.pp, 0.0)
     per_stage = []
     for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comm):
         cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint))
