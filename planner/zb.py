@@ -29,8 +29,8 @@ from model.config import ModelConfig
 from model.flops import layer_forward_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COST_FILES = "docs/bench/**/zb-costs.json"
-"""Committed measurements (bench/zb_costs.py), found by device."""
+COST_FILES = ("docs/bench/**/zb-costs.json", "docs/bench/**/costs.json")
+"""Committed measurements (bench/zb_costs.py; the GPU check names its copy costs.json), found by device."""
 
 LAYERS = ("encoder", "decoder")
 
@@ -89,9 +89,12 @@ def measured_costs(device_name: str, d_model: int) -> tuple[dict | None, str]:
     from planner.devices import DEVICES, device_key
 
     found = []
-    for name in sorted(glob.glob(os.path.join(ROOT, COST_FILES), recursive=True)):
+    names = sorted({n for pattern in COST_FILES for n in glob.glob(os.path.join(ROOT, pattern), recursive=True)})
+    for name in names:
         with open(name) as f:
             costs = json.load(f)
+        if not isinstance(costs, dict) or not {"device", "modes", "model"} <= set(costs):
+            continue  # another benchmark's file
         key = device_key(costs["device"])
         if (DEVICES[key]["name"] if key else costs["device"]) == device_name:
             found.append((abs(math.log2(costs["model"]["d_model"] / d_model)), name, key, costs))
