@@ -10,16 +10,19 @@
 #   train   the GPU training benchmark (bench/gpu.py): MFU, tokens/s, GPU busy fraction, kernels,
 #           syncs, peak memory and compile time of a d=1024 stage's layers, the last stage at the
 #           128k vocabulary and 6L-6L d=512; eager and compiled; 2k/4k/8k target tokens per micro-batch
-#   costs   F, B and W seconds per layer kind at d=1024, eager and compiled, and the pipeline bubbles
-#           of 1F1B and ZB-H1 replayed on them (bench/schedules.py)
+#   costs   F, B and W seconds per layer kind at d=1024, eager and compiled (bench/schedules.py
+#   replay  --measure-costs), and the pipeline bubbles of 1F1B and ZB-H1 replayed on them at pp = 2,
+#           4, 8, 16 with the paper configs' micro-batch counts (--replay)
 #   tests   ./run.sh test-gpu (tests/gpu)
 # OUT gets at most 8 files (what a device run hands back): summary.md, versions.txt, ops.json,
-# train.json, train.md, costs.json, tests.log. The machine's python is used as it is
+# train.json, train.md, costs.json, replay.md, tests.log. The machine's python is used as it is
 # (DEEPNET_NO_INSTALL): packages it lacks travel as wheels in .whl/ (bench/scripts/gpu_wheels.sh).
 set -uo pipefail
 OUT=${1:?usage: bench/scripts/gpu_check.sh OUT [--rehearse]}
 MODE=${2:-gpu}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")  # everything else: OUT holds only what comes back
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 SUMMARY="$OUT/summary.md"
@@ -31,7 +34,8 @@ if [ "$MODE" = --rehearse ]; then
   OPS=(--set model.encoder_layers=2 --set model.decoder_layers=2 --set model.d_model=32 --set model.heads=4
        --set model.ffn_dim=64 --batch 4 --src 12 --tgt 10 --skip syncs,engine)
   TRAIN=(--device cpu --shapes tiny --tokens 256 --steps 1 --warmup 1)
-  LIMITS=(ops=300 train=300 costs=300 tests=60)
+  COSTS=(--d-model 32 --sequences 4 --seq-len 16 --timed 1 --repeats 1)
+  LIMITS=(ops=300 train=300 costs=300 replay=60 tests=60)
 else
   if [ -d .whl ]; then  # what the image lacks, carried (installed beside its packages)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -43,7 +47,8 @@ else
   export DEEPNET_VENV=$("$PY" -c 'import sys; print(sys.prefix)') DEEPNET_NO_INSTALL=1
   OPS=(--batch 16 --src 128 --tgt 128 --set model.d_model=1024 --set model.heads=16 --set model.ffn_dim=4096)
   TRAIN=(--steps 4 --warmup 3)
-  LIMITS=(ops=90 train=240 costs=60 tests=60)
+  COSTS=(--d-model 1024)
+  LIMITS=(ops=90 train=240 costs=60 replay=20 tests=60)
 fi
 limit() { for kv in "${LIMITS[@]}"; do [ "${kv%%=*}" = "$1" ] && echo "${kv#*=}"; done; }
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
@@ -51,10 +56,10 @@ export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 part() {  # part NAME COMMAND...: run under its limit, note the exit and the seconds in the summary
   local name=$1; shift
   local start=$SECONDS
-  timeout "$(limit "$name")" "$@" > "$OUT/.$name.log" 2>&1
+  timeout "$(limit "$name")" "$@" > "$WORK/$name.log" 2>&1
   local rc=$?
   echo "- $name: exit $rc in $((SECONDS - start)) s: \`$*\`" >> "$SUMMARY"
-  [ $rc -ne 0 ] && tail -20 "$OUT/.$name.log" | sed 's/^/      /' >> "$SUMMARY"
+  [ $rc -ne 0 ] && tail -20 "$WORK/$name.log" | sed 's/^/      /' >> "$SUMMARY"
   return 0
 }
 
@@ -76,19 +81,18 @@ if torch.cuda.is_available():
     print(f"bf16 8192^3 matmul: {10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12:.0f} TFLOP/s")
 PY
 
-part ops "$PY" -m launcher.cli bench ops "${OPS[@]}" --out "$OUT/.ops"
-cp "$OUT/.ops/bench.json" "$OUT/ops.json" 2>/dev/null
-part train "$PY" -m bench.gpu "${TRAIN[@]}" --out "$OUT/.train"
-cp "$OUT/.train/results.json" "$OUT/train.json" 2>/dev/null
-cp "$OUT/.train/report.md" "$OUT/train.md" 2>/dev/null
-if [ "$MODE" = --rehearse ]; then
-  part costs "$PY" -m bench.schedules --measure-costs --d-model 32 --tokens 256 --out "$OUT/.costs"
-else
-  part costs "$PY" -m bench.schedules --measure-costs --d-model 1024 --out "$OUT/.costs"
-fi
-cp "$OUT/.costs/costs.json" "$OUT/costs.json" 2>/dev/null
+part ops "$PY" -m launcher.cli bench ops "${OPS[@]}" --out "$WORK/ops"
+cp "$WORK/ops/bench.json" "$OUT/ops.json" 2>/dev/null
+part train "$PY" -m bench.gpu "${TRAIN[@]}" --out "$WORK/train"
+cp "$WORK/train/results.json" "$OUT/train.json" 2>/dev/null
+cp "$WORK/train/report.md" "$OUT/train.md" 2>/dev/null
+part costs "$PY" -m bench.schedules --measure-costs "${COSTS[@]}" --out "$WORK/costs"
+part replay "$PY" -m bench.schedules --replay "$WORK/costs/zb-costs.json" --pp 2,4,8,16 --out "$WORK/replay"
+cp "$WORK/costs/zb-costs.json" "$OUT/costs.json" 2>/dev/null
+cp "$WORK/replay/zb-replay.md" "$OUT/replay.md" 2>/dev/null
 if [ "$MODE" != --rehearse ]; then
   part tests ./run.sh test-gpu
-  cp "$OUT/.tests.log" "$OUT/tests.log" 2>/dev/null
+  cp "$WORK/tests.log" "$OUT/tests.log" 2>/dev/null
 fi
+rm -rf "$WORK"
 cat "$SUMMARY"
