@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import yaml
@@ -295,14 +296,24 @@ def _stage_comm(cfg: ModelConfig, layout: Candidate, dev: Device) -> tuple[list[
     return tp_comm, p2p
 
 
-def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> dict[str, float]:
+Efficiency = float | Callable[["Candidate"], float]
+"""The fraction of peak the kernels reach: one number, or one per layout (planner/devices.py's
+kernel_efficiency at the layout's target tokens per micro-batch: small micro-batches run smaller,
+less efficient kernels)."""
+
+
+def efficiency_of(mfu: Efficiency, layout: Candidate) -> float:
+    return mfu(layout) if callable(mfu) else mfu
+
+
+def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> dict[str, float]:
     """Forward + backward seconds of one layer of each kind for a micro-batch (3 forwards' FLOPs)."""
-    peak = dev.peak_tflops[layout.precision] * 1e12 * mfu
+    peak = dev.peak_tflops[layout.precision] * 1e12 * efficiency_of(mfu, layout)
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     return {k: 3 * b * layer_forward_flops(cfg, k, s, t) / layout.tp / peak for k in ("encoder", "decoder", "output")}
 
 
-def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float, zb_costs: dict | None = None) -> dict:
+def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency, zb_costs: dict | None = None) -> dict:
     """Estimated seconds per optimizer step and its parts (see module doc); for ZB-H1 also "zb",
     zb_pipeline's answer (the orders' pending W, for stage_memory)."""
     seconds = _layer_seconds(cfg, layout, dev, mfu)
@@ -358,7 +369,7 @@ class Plan:
                                                                   * self.layout.world)
 
 
-def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: float) -> Plan:
+def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> Plan:
     from model.flops import training_flops
 
     time = step_time(cfg, layout, dev, mfu)
@@ -400,7 +411,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
     return out
 
 
-def search(cfg: ModelConfig, gpus: int, dev: Device, mfu: float, **kwargs) -> tuple[list[Plan], list[Plan]]:
+def search(cfg: ModelConfig, gpus: int, dev: Device, mfu: Efficiency, **kwargs) -> tuple[list[Plan], list[Plan]]:
     """All candidate plans, split into (fitting, sorted fastest first) and (not fitting)."""
     plans = [plan(cfg, layout, dev, mfu) for layout in candidate_layouts(cfg, gpus, dev, **kwargs)]
     fits = sorted((p for p in plans if p.peak_bytes <= dev.usable_bytes()), key=lambda p: -p.tokens_per_s)

@@ -27,3 +27,27 @@ def test_a_committed_gpu_check_overrides_the_estimate_for_its_type_only(tmp_path
     assert kernel_efficiency("h100-80gb", 900, 7000, root=str(tmp_path))[0] == 0.38  # nearest width and size
     assert kernel_efficiency("a100-80gb", 1024, 2048, root=str(tmp_path))[0] == pytest.approx(
         estimated_efficiency(1024, 2048))
+
+
+def test_the_planner_prices_each_micro_batch_size_at_its_own_efficiency(capsys):
+    import dataclasses
+
+    from launcher.cli import main as cli_main
+    from planner.devices import device
+    from planner.planner import Candidate, named_model, step_time
+
+    model, dev = named_model("deepnet-100-100-1024"), device("h100-80gb")
+    small = Candidate(pp=1, tp=1, dp=1, micro_batches=4, sequences=64, src_len=32, tgt_len=32)
+    large = dataclasses.replace(small, micro_batches=1, sequences=256)
+    by_tokens = lambda lay: estimated_efficiency(1024, lay.sequences * lay.tgt_len)  # noqa: E731
+    # Same tokens per step: compute scales with 1 / efficiency of each size's kernels.
+    ratio = step_time(model, small, dev, by_tokens)["compute"] / step_time(model, large, dev, by_tokens)["compute"]
+    assert ratio == pytest.approx(estimated_efficiency(1024, 8192) / estimated_efficiency(1024, 2048), rel=1e-9)
+    assert step_time(model, small, dev, 0.3)["compute"] == pytest.approx(step_time(model, large, dev, 0.3)["compute"])
+    # The command line uses it unless --mfu is given, and says so.
+    assert cli_main(["plan", "deepnet-100-100-1024", "--gpus", "8", "--gpu", "h100-80gb", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel MFU by target tokens per micro-batch 27.7% at 2k, 35.1% at 4k, 40.6% at 8k" in out
+    assert cli_main(["plan", "deepnet-100-100-1024", "--gpus", "8", "--gpu", "h100-80gb", "--mfu", "0.3",
+                     "--top", "1"]) == 0
+    assert "kernel MFU 30.0% (given with --mfu)" in capsys.readouterr().out

@@ -30,7 +30,8 @@ def test_plan_prices_the_configs_own_layout_and_prints_the_best_as_keys(capsys, 
     own = config_layout(cfg.parallel, cfg.train, cfg.data.max_tokens, 32, cfg.parallel.precision)
     assert own.describe() == "pp2·tp1·dp1 m=4 mb=32×(32+32) no-ac fp32"
     model = load_run_config(DEFAULT, []).model
-    priced = plan(model, own, device("a100-80gb"), kernel_efficiency("a100-80gb", model.d_model)[0])
+    # priced at the kernel efficiency of its own micro-batch size (32 × 32 target tokens)
+    priced = plan(model, own, device("a100-80gb"), kernel_efficiency("a100-80gb", model.d_model, 1024)[0])
     row = next(line for line in out.splitlines() if line.startswith("| config: "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == f"config: {own.describe()}"

@@ -5,6 +5,7 @@ of the same table, and the best layout is printed as the config keys that give i
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 
@@ -98,7 +99,13 @@ def run(args: argparse.Namespace) -> int:
         args.global_batch_tokens = p.data_parallel * cfg.train.micro_batches * max(1, d.max_tokens // args.seq_len) * args.seq_len
     from planner.devices import kernel_efficiency
 
-    args.mfu, mfu_source = (args.mfu, "given with --mfu") if args.mfu else kernel_efficiency(args.gpu, model.d_model)
+    if args.mfu:
+        mfu_note = f"kernel MFU {args.mfu:.1%} (given with --mfu)"
+    else:
+        efficiency = functools.cache(lambda tokens: kernel_efficiency(args.gpu, model.d_model, tokens))
+        args.mfu = lambda layout: efficiency(layout.sequences * layout.tgt_len)[0]
+        shown = ", ".join(f"{efficiency(t)[0]:.1%} at {t // 1024}k" for t in (2048, 4096, 8192))
+        mfu_note = f"kernel MFU by target tokens per micro-batch {shown} ({efficiency(4096)[1]})"
     overrides = {}
     if args.nodes:
         if args.gpus % args.nodes:
@@ -137,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     budget = ("tokens", args.tokens) if args.tokens else ("flops", args.flops) if args.flops else None
     title = (f"Projection for {args.model} ({params_of(model) / 1e9:.2f}B parameters, {per_token / 1e9:.1f} GFLOPs "
              f"per target token at {args.seq_len}+{args.seq_len} tokens) on {args.gpus} × {dev.name} "
-             f"({dev.gpus_per_node} per node), {precision}, kernel MFU {args.mfu:.1%} ({mfu_source}), global batch "
+             f"({dev.gpus_per_node} per node), {precision}, {mfu_note}, global batch "
              f"{args.global_batch_tokens:,} target tokens.")
     out = [title, ""]
     if budget:
