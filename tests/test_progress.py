@@ -110,8 +110,6 @@ def test_a_real_pseudo_terminal_shows_the_bar(tmp_path):
     import sys
 
     code = f"""
-import sys
-sys.path.insert(0, {ROOT!r})
 from trainer.progress import Progress
 p = Progress({str(tmp_path)!r}, 0, 10)
 p.start_steps()
@@ -122,7 +120,8 @@ for s in range(1, 11):
 p.close()
 """
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=slave, stderr=slave, close_fds=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=slave, stderr=slave, close_fds=True,
+                            env={**os.environ, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
     os.close(slave)
     out = b""
     while select.select([master], [], [], 60)[0]:
