@@ -26,6 +26,8 @@ import statistics
 
 import yaml
 
+from parallel.accelerator import HOST
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -153,7 +155,7 @@ def run(args) -> int:
         return 2
     with open(path) as f:
         costs = json.load(f)
-    mode = args.mode or ("compiled" if "compiled" in costs["modes"] and costs["device"] != "cpu" else "eager")
+    mode = args.mode or ("compiled" if "compiled" in costs["modes"] and costs["device"] != HOST else "eager")
     if mode not in costs["modes"]:
         print(f"error: --mode {mode}: {args.replay} has {', '.join(costs['modes'])}", flush=True)
         return 2

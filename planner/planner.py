@@ -50,7 +50,8 @@ from parallel.accelerator import HOST
 from parallel.loss import CHUNK_BYTES
 from planner.devices import Device
 from parallel.partition import stage_bounds
-from planner.zb import weight_flops, weight_grad_bytes, zb_pipeline  # noqa: F401 (ZB-H1's model, planner/zb.py)
+from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
+from planner.zb import weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -346,6 +347,25 @@ def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency,
             "tp_comm": layout.micro_batches * tp_comm, "pp_comm": layout.micro_batches * p2p,
             "dp_comm": dp_comm, "optimizer": optimizer,
             "bubble_fraction": bubble_fraction, "zb": zb}
+
+
+def zb_pipeline(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency | None = None,
+                zb_costs: dict | None = None) -> dict:
+    """ZB-H1's pipeline phase (`pipeline`, above) of a planner Candidate: each stage's 1F1B compute split
+    into F, B, W (planner/zb.py) by the per-kind costs (`zb_costs`; default: those measured on this device type,
+    else the FLOP model's), its communication half in F, half in B. Without an mfu (memory's
+    default) the order is chosen at compute-only proportions."""
+    measured, source = (zb_costs, "given") if zb_costs else measured_costs(dev.name, cfg.d_model)
+    kind_costs = measured or flop_costs(cfg, layout.src_len, layout.tgt_len)
+    seconds = _layer_seconds(cfg, layout, dev, mfu or 1.0)
+    tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu else ([0.0] * layout.pp, 0.0)
+    per_stage = []
+    for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comm):
+        cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint))
+        cost["F"] += (comm + p2p) / 2
+        cost["B"] += (comm + p2p) / 2
+        per_stage.append(cost)
+    return {**pipeline(layout.pp, layout.micro_batches, per_stage, layout.zb_max_pending), "source": source}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """ZB-H1 in the planner: each stage's F, B and W from costs per layer kind, the schedule's
-pipeline time, and the order (hence the memory) the engine would run (planner/planner.py calls it
-for candidates with `schedule: zb-h1`).
+pipeline time, and the order (hence the memory) the engine would run (planner/planner.py's
+`zb_pipeline` applies them to candidates with `schedule: zb-h1`).
 
 Costs per layer kind come from a measurement of this device type (`./run.sh bench schedules
 --measure-costs`, bench/zb_costs.py: per kind F, B, W of the split layer and F, BW of the unsplit
@@ -165,24 +165,3 @@ def pipeline(stages: int, micro_batches: int, per_stage: list[dict[str, float]],
     seconds = span * slot / sum(key)
     return {"seconds": seconds, "bubble_fraction": 1.0 - micro_batches * slot / seconds if seconds else 0.0,
             "cost": {k: slot * mean[k] for k in mean}, "pending_peaks": list(peaks), "first_share": share}
-
-
-def zb_pipeline(cfg: ModelConfig, layout, dev, mfu: float | None = None,
-                zb_costs: dict | None = None) -> dict:
-    """ZB-H1's pipeline phase (`pipeline`, above) of a planner Candidate: each stage's 1F1B compute split
-    into F, B, W by the per-kind costs (`zb_costs`; default: those measured on this device type,
-    else the FLOP model's), its communication half in F, half in B. Without an mfu (memory's
-    default) the order is chosen at compute-only proportions."""
-    from planner.planner import _layer_seconds, _stage_comm, stage_kinds
-
-    measured, source = (zb_costs, "given") if zb_costs else measured_costs(dev.name, cfg.d_model)
-    kind_costs = measured or flop_costs(cfg, layout.src_len, layout.tgt_len)
-    seconds = _layer_seconds(cfg, layout, dev, mfu or 1.0)
-    tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu else ([0.0] * layout.pp, 0.0)
-    per_stage = []
-    for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comm):
-        cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint))
-        cost["F"] += (comm + p2p) / 2
-        cost["B"] += (comm + p2p) / 2
-        per_stage.append(cost)
-    return {**pipeline(layout.pp, layout.micro_batches, per_stage, layout.zb_max_pending), "source": source}

@@ -26,6 +26,7 @@ import model.layers as model_layers
 from model.config import ModelConfig
 from model.norms import PostNormResidual
 from model.transformer import EncoderDecoder, layer_plan
+from parallel.partition import stage_bounds
 from tests.conftest import launch, write_run_config
 from tests.reference import assert_parameters_equal, load_params, reference_run
 
@@ -54,8 +55,9 @@ def deep_run(tiny_data, tmp_path_factory):
         result = json.load(f)
     params = load_params(f"{out}.params")
     torch.set_num_threads(1)
-    reference = reference_with_gradients(load_config(config), STEPS)
-    return load_config(config), result, params, reference
+    cfg = load_config(config)
+    reference = reference_with_gradients(cfg, STEPS)  # sets cfg.model.vocab_size from the data, as the trainer does
+    return cfg, result, params, reference
 
 
 def reference_with_gradients(cfg, steps: int) -> dict:
@@ -180,9 +182,16 @@ def test_1000_layer_partition_covers_every_plan_layer_once_and_is_balanced(deep_
     held = [s["indices"] for s in result["stages"]]
     assert held[0] == list(range(1, parts[1])) and held[1] == list(range(parts[1], parts[2] - 1))
     assert result["stages"][0]["has_tied_embedding"] and result["stages"][1]["has_tied_embedding"]
+    assert parts == stage_bounds(cfg.model, 2)
+    # Stages are cut only before encoder and decoder layers: the units between two such cuts (the
+    # embedding with the first encoder layer, the output layer with the last decoder layer).
     costs = layer_costs(cfg.model)
+    starts = [i for i, layer in enumerate(plan) if layer.kind in ("encoder", "decoder")]
+    cuts = [0, *starts[1:], len(plan)]
+    units = [sum(costs[a:b]) for a, b in zip(cuts, cuts[1:])]
+    assert parts[1] in cuts
     stage_costs = [sum(costs[parts[s]:parts[s + 1]]) for s in range(2)]
-    assert max(stage_costs) <= sum(costs) / 2 + max(costs)  # no better cut exists
+    assert max(stage_costs) <= sum(costs) / 2 + max(units)  # no better cut exists
 
 
 def test_alpha_of_every_residual_block_on_every_stage_is_the_paper_formula(deep_run):

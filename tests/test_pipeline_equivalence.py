@@ -37,7 +37,9 @@ def pp2_run(tiny_data, tmp_path_factory):
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT),
                          "--scenarios", "plain,activation_checkpointing,zero1_deepspeed,zero1_fallback"])
     result["deepspeed_params"] = load_params(f"{out}.deepspeed")
-    return result, load_params(f"{out}.params"), reference_run(load_config(config), STEPS), load_config(config)
+    cfg = load_config(config)
+    reference = reference_run(cfg, STEPS)  # sets cfg.model.vocab_size from the data, as the trainer does
+    return result, load_params(f"{out}.params"), reference, cfg
 
 
 @pytest.fixture(scope="module")
