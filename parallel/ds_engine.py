@@ -58,6 +58,8 @@ class TrainerEngine(MessageIO, PipelineEngine):
     over the pipeline and reads it back for its monitor, every step."""
 
     def train_batch(self, *args, **kwargs):
+        if hasattr(self.module, "loss_grad"):
+            self.module.loss_grad = self.loss_gradient()
         # DeepSpeed reads the step's loss back for its own monitor events every step; those are all
         # keyed by samples, which the trainer does not write (trainer/metrics.py drops them).
         enabled, self.monitor.enabled = self.monitor.enabled, False
@@ -65,6 +67,16 @@ class TrainerEngine(MessageIO, PipelineEngine):
             return super().train_batch(*args, **kwargs)
         finally:
             self.monitor.enabled = enabled
+
+    def loss_gradient(self) -> float:
+        """The gradient DeepSpeed's backward gives a micro-batch's loss on the last stage, as fp32
+        computes it: 1 / gradient_accumulation_steps (`DeepSpeedEngine.backward` divides the loss
+        by it) times the loss scale (fp16's; 1 otherwise)."""
+        import numpy as np
+
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        scale = float(scaler.cur_scale) if scaler is not None else 1.0
+        return float(np.float32(scale) / np.float32(self.gradient_accumulation_steps()))
 
     def _aggregate_total_loss(self):
         value = self.step_loss() if self.step_loss is not None else None

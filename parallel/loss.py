@@ -78,7 +78,8 @@ def tie_output_weight(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, slot, target, pad_id: int, eps: float, group, vocab: int, rows: int, scale):
+    def forward(ctx, h, weight, slot, target, pad_id: int, eps: float, group, vocab: int, rows: int, scale,
+                expected_grad: float):
         tp_rank = dist.get_rank(group) if group is not None else 0
         local = weight.size(0)
         start = tp_rank * local
@@ -103,36 +104,48 @@ class _ChunkedLoss(torch.autograd.Function):
             p /= total_exp[:, None]
             p -= eps / vocab
             p.scatter_add_(1, index, -(1.0 - eps) * mine.float()[:, None])
-            p *= keep[:, None] if scale is None else keep[:, None] * scale
+            weight_of_row = keep if scale is None else keep * scale
+            p *= weight_of_row[:, None] if expected_grad == 1.0 else (weight_of_row * expected_grad)[:, None]
             dz = p.to(h.dtype)
             grad_h[lo:lo + rows] = dz @ weight
             grad_w += (dz.t() @ hr).float()
         _all_reduce(grad_h, group)  # h is replicated: every vocabulary slice contributes
         ctx.save_for_backward(grad_h, grad_w)
-        ctx.slot, ctx.weight_dtype = slot, weight.dtype
+        ctx.slot, ctx.weight_dtype, ctx.expected_grad = slot, weight.dtype, expected_grad
         return total if scale is None else total * scale
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        ctx.slot.grad = (grad_w * grad).to(ctx.weight_dtype)  # for the tie's backward, next
-        # in fp32 (the incoming gradient is 1 from a loss that is summed as it is)
-        return (grad_h.float() * grad).to(grad_h.dtype), None, None, None, None, None, None, None, None, None
+        # What forward folded in already: 1 where the incoming gradient is the one expected (then
+        # exactly, with no second rounding), in fp32.
+        ratio = grad / ctx.expected_grad
+        ctx.slot.grad = (grad_w * ratio).to(ctx.weight_dtype)  # for the tie's backward, next
+        return ((grad_h.float() * ratio).to(grad_h.dtype), None, None, None, None, None, None, None, None, None,
+                None)
 
 
 def tied_output_loss_sum(states: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float, group=None,
-                         tp_size: int = 1, scale: torch.Tensor | None = None) -> torch.Tensor:
+                         tp_size: int = 1, scale: torch.Tensor | None = None,
+                         expected_grad: float = 1.0) -> torch.Tensor:
     """Σ over non-pad target tokens of the label-smoothed cross-entropy of the logits of `states`
     (from `tie_output_weight`) through their tied weight, fp32, without materialising them; the
     weight is this rank's vocabulary slice when `group` is the tensor-parallel group of `tp_size`
     ranks. `scale` (an fp32 tensor): the sum times it, with the logits' gradient scaled before it is
-    rounded to the weights' precision, as autograd would scale it through `loss_sum * scale`."""
+    rounded to the weights' precision, as autograd would scale it through `loss_sum * scale`.
+
+    `expected_grad`: the gradient backward will receive (an fp32 value: DeepSpeed's backward
+    divides the loss by the micro-batches per step and multiplies it by fp16's loss scale). The
+    logits' gradient is computed in forward, so it is scaled by this before it is rounded, as
+    autograd would scale it; backward multiplies by received / expected (exactly 1 when as
+    expected). Without it, the rounding would come before the division (another rounding of every
+    element in bf16) and before the loss scale (fp16's small gradients would underflow)."""
     weight, slot = states.output_weight
     h2 = states.reshape(-1, states.size(-1))
     local = weight.size(0)
     rows = max(1, min(h2.size(0), CHUNK_BYTES // (4 * local)))
     return _ChunkedLoss.apply(h2, weight.detach(), slot, target.reshape(-1), pad_id, eps, group,
-                              local * tp_size, rows, scale)
+                              local * tp_size, rows, scale, float(expected_grad))
 
 
 def output_loss_sum(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, pad_id: int, eps: float,

@@ -147,13 +147,18 @@ class TranslationPipe(PipelineModule):
         object.__setattr__(self, "_costs", layer_costs(cfg))
         object.__setattr__(self, "_plan", layer_plan(cfg))
         object.__setattr__(self, "_cfg", cfg)
+        # The gradient the engine's backward gives the loss (TrainerEngine sets it each batch: 1 / the
+        # micro-batches per step, times fp16's loss scale), for parallel/loss.py to scale the
+        # logits' gradient before rounding it.
+        object.__setattr__(self, "loss_grad", 1.0)
 
         def loss_fn(states: torch.Tensor, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             """The output projection and the loss of the last stage, through the embedding weight
             the last layer tied to its output (this rank's vocabulary slice under tensor parallelism)."""
             target, scale = labels
             group, size = (tp.group, tp.size) if tp is not None else (None, 1)
-            return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size, scale)
+            return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size, scale,
+                                        self.loss_grad)
 
         super().__init__(
             layers=layer_specs(cfg, seed),
