@@ -30,7 +30,7 @@ echo "# GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'), mode $MODE)" > "$SUMMARY"
 
 if [ "$MODE" = --rehearse ]; then
   export DS_ACCELERATOR=cpu
-  PY=${PYTHON:-.venv/bin/python}
+  PY=${PYTHON:-${DEEPNET_VENV:-.venv}/bin/python}  # run.sh's environment
   OPS=(--set model.encoder_layers=2 --set model.decoder_layers=2 --set model.d_model=32 --set model.heads=4
        --set model.ffn_dim=64 --batch 4 --src 12 --tgt 10 --skip syncs,engine)
   TRAIN=(--device cpu --shapes tiny --tokens 256 --steps 1 --warmup 1)
