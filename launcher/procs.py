@@ -152,6 +152,7 @@ class Supervisor:
         exit status is in /proc/PID/stat meanwhile."""
         if self.dead_rank or self.signals:
             return
+        dead = []
         for pid, rank in list(self.ranks.items()):  # a signal handler may add ranks meanwhile
             status = _exit_status(pid)
             if status is None:
@@ -160,15 +161,21 @@ class Supervisor:
                 self.vanished.setdefault(pid, rank)
                 continue
             code = status >> 8 if status & 0x7F == 0 else -(status & 0x7F)
-            if code in AGREED_ENDS:  # ends the other ranks reach too
-                continue
-            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            self.dead_rank = (rank, pid)
-            self.dead_code = code
-            self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks")
-            self._signal_ranks(signal.SIGINT)
-            self.deadline = time.monotonic() + KILL_AFTER
+            if code not in AGREED_ENDS:  # ends the other ranks reach too
+                dead.append((code >= 0, rank, pid, code))
+        if not dead:
             return
+        # A rank killed by a signal first: its peers see their connections close and exit with an
+        # error within milliseconds, often in the same 0.1 s between two checks.
+        _, rank, pid, code = min(dead)
+        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        self.dead_rank = (rank, pid)
+        self.dead_code = code
+        others = sorted(r for _, r, _, _ in dead if r != rank)
+        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed with it)" if others else ""
+        self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks{also}")
+        self._signal_ranks(signal.SIGINT)
+        self.deadline = time.monotonic() + KILL_AFTER
 
     def run(self, announce=lambda: None) -> int:
         """Start the launcher and supervise it; `announce` runs once this process handles the

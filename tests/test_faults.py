@@ -440,3 +440,29 @@ def test_rendezvous_port_is_outside_the_ephemeral_range_and_free():
     assert len(set(ports)) > 1  # drawn, not a fixed port every launch would share
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_the_supervisor_names_the_killed_rank_not_the_peer_that_failed_with_it():
+    """A rank killed by a signal and a peer that exited with an error in the same interval between
+    two checks (gloo closes the peer's connections at once): the killed rank is named, the other
+    said to have failed with it, whatever their rank order."""
+    from launcher.procs import Supervisor
+
+    for killed_rank in (0, 1):
+        peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+        victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        victim.send_signal(signal.SIGKILL)
+        # zombies, not reaped (no wait) until the check has read their status
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE for p in (peer, victim)):
+            time.sleep(0.01)
+        lines = []
+        sup = Supervisor(["true"], {}, ROOT, 1.0, log=lines.append)
+        sup._signal_ranks = lambda signum: None
+        sup.ranks = {peer.pid: 1 - killed_rank, victim.pid: killed_rank}
+        sup._check_ranks()
+        assert sup.dead_rank == (killed_rank, victim.pid) and sup.dead_code == -signal.SIGKILL
+        assert lines == [f"rank {killed_rank} (PID {victim.pid}) died (signal SIGKILL); stopping the other ranks "
+                         f"(rank {1 - killed_rank} failed with it)"]
+        peer.wait(), victim.wait()
