@@ -29,7 +29,7 @@ def _autograd(h0, w0, target, scale, loss_scale):
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     loss = F.cross_entropy(F.linear(h, w).float(), target, ignore_index=0, label_smoothing=EPS, reduction="sum")
     ((loss * scale / GAS) * loss_scale).backward()
-    return float(loss * scale), h.grad.float(), w.grad.float()
+    return float(loss.detach() * scale), h.grad.float(), w.grad.float()
 
 
 def _chunked(h0, w0, target, scale, loss_scale, expected_grad, monkeypatch):
@@ -38,7 +38,7 @@ def _chunked(h0, w0, target, scale, loss_scale, expected_grad, monkeypatch):
     loss = chunked.tied_output_loss_sum(chunked.tie_output_weight(h, w), target, 0, EPS, scale=scale,
                                         expected_grad=expected_grad)
     ((loss / GAS) * loss_scale).backward()
-    return float(loss), h.grad.float(), w.grad.float()
+    return float(loss.detach()), h.grad.float(), w.grad.float()
 
 
 def test_fp32_chunks_equal_full_logits(monkeypatch):
