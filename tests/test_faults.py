@@ -315,7 +315,7 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert (f"{run_dir}/config.json is missing: using the config recorded in the manifest of checkpoint {newest}"
             in refused.stdout), refused.stdout
-    assert refused.stderr.endswith(f"was trained with another model or layout (model.ffn_dim: 64 → 48); use a new "
+    assert refused.stderr.endswith("was trained with another model or layout (model.ffn_dim: 64 → 48); use a new "
                                    "run_dir, or convert the checkpoint\n"), refused.stderr
     assert not os.path.exists(os.path.join(run_dir, "config.json"))
 

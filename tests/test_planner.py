@@ -18,7 +18,6 @@ import yaml
 from launcher.cli import main as cli_main
 from model.config import ModelConfig
 from model.layers import padding_mask
-from model.transformer import smoothed_loss_sum
 from planner.planner import layer_activation_bytes, named_model, stage_bounds
 from tests.conftest import write_run_config
 
