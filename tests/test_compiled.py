@@ -94,7 +94,7 @@ def test_compiled_pipeline_equals_the_eager_single_process(pp2_compiled):
     assert_steps_equal(result["compiled"], ref, clipped_at=0.05)
     assert_parameters_equal(params, ref)
     # each rank compiled one training graph per layer kind it holds, for every run of the launch
-    assert all(n <= 2 for n in result["graphs"].values()), result["graphs"]
+    assert result["graphs"] and all(1 <= n <= 2 for n in result["graphs"].values()), result["graphs"]
 
 
 def test_a_compiled_runs_checkpoint_resumes_in_an_eager_run(pp2_compiled):

@@ -102,13 +102,18 @@ def main() -> None:
         trainer = Trainer(variant(cfg, "zero1-fallback"), max_steps=args.steps)
         opt = trainer.engine.optimizer
         first = record_steps(trainer, 2)
+
+        def shared() -> bool:
+            weights = [flat.data_ptr() for flat in opt.bf16_groups_flat]
+            return any(m.data_ptr() in weights for m in opt.fp32_groups_flat_partition)
+
+        shared_before = shared()
         for master in opt.fp32_groups_flat_partition:
             master.data = master.data.clone()
         rest = record_steps(trainer, args.steps)
-        weights = [flat.data_ptr() for flat in opt.bf16_groups_flat]
         results["zero1_fallback"] = {"loss": first["loss"] + rest["loss"],
                                      "grad_norm": first["grad_norm"] + rest["grad_norm"],
-                                     "shared_after": any(m.data_ptr() in weights for m in opt.fp32_groups_flat_partition)}
+                                     "shared_before": shared_before, "shared_after": shared()}
     if "partitions" in scenarios:
         results["partitions"] = partitions()
     write_result(args.out, results)
