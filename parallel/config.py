@@ -40,8 +40,10 @@ class ParallelConfig:
     """dp: number of model replicas. Processes launched = pipeline_stages × tensor_parallel ×
     data_parallel."""
     zero_stage: Literal[0, 1] = 1
-    """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. Stage 1 also gives the correct
-    global gradient norm under pp > 1 (DeepSpeed's fp32 stage-0 path does not)."""
+    """ZeRO stage; DeepSpeed's pipeline engine accepts 0 or 1. 1: the fp32 master weights and Adam
+    moments are partitioned over the replicas; 0: every replica keeps them whole. Both run the
+    trainer's optimizer (parallel/optimizer.py) in every precision and clip by the single
+    process's global gradient norm at any pp × tp × dp; only stage 1 checkpoints can be resharded."""
     activation_checkpoint_interval: NonNegative = 0
     """Recompute activations every this many layers in backward (0 = off)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -158,9 +158,6 @@ CONFIG_CASES = [
      ["parallel.partition_method", "matches none"]),
     ("partition-bad-regex", with_key("parallel.partition_method", "type:(["), ["parallel.partition_method"]),
     ("zero_stage-2", with_key("parallel.zero_stage", 2), ["parallel.zero_stage"]),
-    ("zero0-pp2-tp2-clipped", lambda tmp_path: yaml.safe_dump(
-        {**base_config(tmp_path), "parallel": {"pipeline_stages": 2, "tensor_parallel": 2, "zero_stage": 0},
-         "train": {"max_steps": 2, "clip_norm": 1.0}}), ["parallel.zero_stage=0", "tensor_parallel > 1", "zero_stage: 1"]),
     ("data_parallel-0", with_key("parallel.data_parallel", 0), ["parallel.data_parallel"]),
     ("pipeline_stages-too-many", with_key("parallel.pipeline_stages", 100), ["parallel.pipeline_stages"]),
     ("tensor_parallel-not-dividing", with_key("parallel.tensor_parallel", 3), ["parallel.tensor_parallel"]),

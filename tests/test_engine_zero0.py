@@ -3,11 +3,12 @@
 At ZeRO stage 0, parallel/optimizer.py's FlatOptimizer keeps its master weights and Adam moments
 whole on every replica (a partition count of 1: each replica steps every weight and gathers
 nothing), and the engine's reduction, global-norm clipping and zero_grad are the optimizer's.
-Three launches on the real deepspeed launcher with ZeRO stage 0, every step clipped: pp = 1 on
-one rank, pp = 1 with two replicas (the gradients all-reduced, each replica's partition group a
-group of one) and pp = 2 (the norm summed over the stages with the tied embedding counted once,
-where DeepSpeed's own clipping without ZeRO counts only the first stage). Losses, clipped norms
-and parameters equal the single-process reference; a run resumed from a checkpoint (the optimizer
+Four launches on the real deepspeed launcher with ZeRO stage 0 in fp32, every step clipped: pp = 1
+on one rank, pp = 1 with two replicas (the gradients all-reduced, each replica's partition group a
+group of one), pp = 2 (the norm summed over the stages with the tied embedding counted once, where
+DeepSpeed's own clipping without ZeRO counts only the first stage) and pp = 2 × tp = 2 (the
+tensor-parallel shards summed once, the replicated parameters once). Losses, clipped norms and
+parameters equal the single-process reference; a run resumed from a checkpoint (the optimizer
 state kept in the model-states file, as DeepSpeed does without ZeRO) reproduces the uninterrupted
 losses.
 """
@@ -20,22 +21,25 @@ from tests.reference import assert_parameters_equal, assert_steps_equal, load_pa
 STEPS, SAVE_AT, CLIP = 4, 2, 0.05
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=["pp1-dp1", "pp1-dp2", "pp2-dp1"])
+@pytest.fixture(scope="module", params=[(1, 1, 1), (1, 2, 1), (2, 1, 1), (2, 1, 2)],
+                ids=["pp1-dp1", "pp1-dp2", "pp2-dp1", "pp2-tp2"])
 def zero0_run(request, tiny_data, tmp_path_factory):
-    pp, dp = request.param
-    work = tmp_path_factory.mktemp(f"zero0-pp{pp}-dp{dp}")
+    pp, dp, tp = request.param
+    work = tmp_path_factory.mktemp(f"zero0-pp{pp}-dp{dp}-tp{tp}")
     config = write_run_config(str(work / "run.yaml"), str(work / "run"), tiny_data,
-                              parallel={"pipeline_stages": pp, "data_parallel": dp, "zero_stage": 0},
+                              parallel={"pipeline_stages": pp, "data_parallel": dp, "tensor_parallel": tp,
+                                        "zero_stage": 0, "precision": "fp32"},
                               train={"micro_batches": 4 // dp, "clip_norm": CLIP, "lr": 0.001,
                                      "save_interval": 1000})
     out = str(work / "result.json")
-    result = run_worker(pp * dp, "tests.dist.pipeline_worker", out,
+    result = run_worker(pp * dp * tp, "tests.dist.pipeline_worker", out,
                         ["--config", config, "--steps", str(STEPS), "--save-at", str(SAVE_AT), "--only-plain"])
     return result["plain"], load_params(f"{out}.params"), reference_run(load_config(config), STEPS)
 
 
 def test_zero0_losses_and_clipped_norms_equal_single_process(zero0_run):
     got, _, ref = zero0_run
+    assert got["optimizer"] == "FlatOptimizer"
     # the norm is reported without ZeRO too (DeepSpeed leaves it unset there)
     assert_steps_equal(got["uninterrupted"], ref, clipped_at=CLIP)
     assert got["uninterrupted"]["loss"][-1] < got["uninterrupted"]["loss"][0]

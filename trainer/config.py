@@ -312,12 +312,6 @@ def validate(cfg: RunConfig, where: str) -> None:
     if m.max_positions < longest:
         raise ConfigError(f"{where}: model.max_positions={m.max_positions} is below the longest sequence "
                           f"the data allows (data.max_source_len/max_target_len = {longest}); raise it")
-    if (p.zero_stage == 0 and p.pipeline_stages > 1 and p.tensor_parallel > 1 and t.clip_norm > 0
-            and p.precision == "fp32"):
-        # parallel/ds_engine.py computes the norm right across stages without tensor parallelism.
-        raise ConfigError(f"{where}: parallel.zero_stage=0 with fp32, pipeline_stages > 1, tensor_parallel > 1 "
-                          "and train.clip_norm > 0 computes a wrong gradient norm in DeepSpeed 0.19; "
-                          "use zero_stage: 1")
     if p.schedule != "zb-h1" and p.zb_max_pending_w != 0:
         raise ConfigError(f"{where}: parallel.zb_max_pending_w={p.zb_max_pending_w} applies to parallel.schedule: "
                           f"zb-h1 only (the schedule is {p.schedule}); remove the key or set schedule: zb-h1")
