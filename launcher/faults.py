@@ -31,6 +31,7 @@ import sys
 import time
 
 from parallel import heartbeat
+from trainer.run_dir import record_ending
 
 REQUEUE = 10  # `end`'s exit status when the job should requeue itself
 STATE = "faults.json"
@@ -154,6 +155,7 @@ def end(args) -> int:
     line = found["line"] if found else f"training ended with exit code {args.rc}; no rank named a lost one"
     state["faults"].append({**(found or {"step": None}), "attempt": args.attempt, "line": line, "rc": args.rc})
     _save(path, state)
+    record_ending(args.run_dir, "failed", line, args.rc)  # summary.json and train.log: the ranks could not
     if not printed:  # a survivor printed it already, else it is said here (e.g. NCCL ended the survivors)
         say(f"error: {line}")
     why = _verdict(state, args)

@@ -8,7 +8,8 @@ import os
 import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import resume_differences, saved_run_config
+from trainer.run_dir import (TRAIN, launched_max_steps, record_ending, relaunch,
+                            resume_differences, saved_run_config, setting_changes)
 
 
 def parameters(cfg: RunConfig) -> int:
@@ -75,17 +76,46 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: run_dir: {sub} exists and is not a folder; move it away")
 
 
-def check_resume(cfg: RunConfig, where: str) -> None:
+def check_resume(cfg: RunConfig, where: str) -> dict | None:
     """An existing run directory is resumed: refuse a config whose model or layout differs from
-    the one its checkpoints were trained with (`saved_run_config`), naming the keys."""
+    the one its checkpoints were trained with (`saved_run_config`), naming the keys (the keys
+    trainer/run_dir.py's RESUME_RULES fixes). Returns the recorded config (None for a new run)."""
     saved = saved_run_config(cfg.run_dir, restore=False)  # the ranks restore it, holding the run lock
     if saved is None:
-        return
+        return None
     diffs = resume_differences(saved, to_dict(cfg))
     if diffs:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
                           f"({'; '.join(diffs)}); use a new run_dir, or convert the checkpoint")
     check_resume_data(cfg, saved, where)
+    return saved
+
+
+def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:
+    """What this launch does with the run directory (trainer/run_dir.py `relaunch`): TRAIN,
+    FINISHED, END_HERE or BELOW, and the line that says so. TRAIN on a resumed run prints the
+    settings that differ from the run's recorded config.json, before any rank starts."""
+    verdict, line = relaunch(cfg.run_dir, newest_step(cfg), cfg.train.max_steps, launched_max_steps(saved))
+    if verdict == TRAIN and saved is not None:
+        changes = setting_changes(saved, to_dict(cfg))
+        if changes:
+            print(f"resuming {cfg.run_dir} with settings changed since its last launch (config.json): "
+                  f"{'; '.join(changes)}", flush=True)
+    return verdict, line
+
+
+def end_run_here(cfg: RunConfig, saved: dict, line: str) -> None:
+    """END_HERE: record the run as finished at its newest checkpoint (config.json's max_steps, and
+    summary.json and train.log with the reason). The caller holds the run lock."""
+    import json
+
+    from parallel import manifest
+
+    step = newest_step(cfg)
+    record = dict(saved, train=dict(saved.get("train", {}), max_steps=step))
+    manifest.write_atomic(os.path.join(cfg.run_dir, "config.json"), json.dumps(record, indent=2))
+    record_ending(cfg.run_dir, "finished", f"ended at step {step} by a launch with train.max_steps={step} "
+                  f"(it had been launched with {launched_max_steps(saved)})", 0)
 
 
 def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
@@ -117,11 +147,11 @@ def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
                           f"cp -p or rsync -a), or use a new run_dir")
 
 
-def finished_step(cfg: RunConfig) -> int | None:
-    """The step of the run directory's newest committed checkpoint when it is at or past
-    train.max_steps (a finished run: nothing to train), else None. Its files must all be there with
-    the sizes its manifest records; the ranks check the hashes when they resume, and a damaged newest
-    checkpoint (set aside by them, an older one resumed) is no finished run."""
+def newest_step(cfg: RunConfig) -> int | None:
+    """The step of the run directory's newest committed checkpoint, if its files are all there
+    with the sizes its manifest records (None otherwise, and for a new run). The ranks check the
+    hashes when they resume; a damaged newest checkpoint is set aside by them and an older one
+    resumed."""
     from parallel import manifest
 
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
@@ -134,6 +164,6 @@ def finished_step(cfg: RunConfig) -> int | None:
             path = os.path.join(tag_dir, name)
             if not os.path.isfile(path) or os.path.getsize(path) != int(entry.get("size", -1)):
                 return None
-        step = int(record.get("step", tag[len("step"):]))
-        return step if step >= cfg.train.max_steps else None
+        return int(record.get("step", tag[len("step"):]))
     return None
+

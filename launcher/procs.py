@@ -10,10 +10,10 @@ its runner (`deepspeed`, runner.py) installs no signal handler on one node, so a
 leaves `deepspeed.launcher.launch` and the ranks running; launch.py forwards SIGINT/SIGTERM to
 its children, then SIGKILLs them 30 s later, and ends the rest when one rank exits non-zero.
 
-  SIGTERM (kill, scancel, SLURM's time limit)   → SIGTERM to every rank: each finishes its step, the
-      ranks checkpoint together and exit with PREEMPTED_EXIT_CODE (as with SIGUSR1). Ranks that are
-      not gone `train.stop_grace_seconds` later (+5 s) are killed; the last committed checkpoint
-      stays valid (parallel/manifest.py).
+  SIGTERM (kill, scancel, SLURM's time limit),  → the same signal to every rank: each finishes its
+  SIGUSR1                                          step, the ranks checkpoint together and exit with
+      PREEMPTED_EXIT_CODE. After SIGTERM, ranks that are not gone `train.stop_grace_seconds` later
+      (+5 s) are killed; the last committed checkpoint stays valid (parallel/manifest.py).
   SIGINT (Ctrl-C), SIGHUP (terminal closed)      → the same signal to every rank: they stop at once
       without a checkpoint; killed 5 s later if still there.
   a second signal of any kind                    → SIGKILL to the whole group.
@@ -51,6 +51,7 @@ class Supervisor:
         self.dead_rank: tuple[int, int] | None = None
         self.dead_code = 1  # the exit status of the rank that died first (a signal: 128 + N)
         self.vanished: dict[int, int] = {}  # pid → rank, ended and already reaped by the launcher
+        self.dead_why = ""  # how the rank that died first ended ("exit code 1", "signal SIGKILL")
 
     # signals arrive in the main thread between polls; the handler only records and forwards
     def _on_signal(self, signum, frame) -> None:
@@ -60,8 +61,9 @@ class Supervisor:
             self._killpg(signal.SIGKILL)
             self.deadline = time.monotonic()
             return
-        if signum == signal.SIGTERM:
-            self.log(f"SIGTERM: the ranks finish their step, checkpoint and exit "
+        if signum in CHECKPOINT_SIGNALS:
+            name = signal.Signals(signum).name
+            self.log(f"{name}: the ranks finish their step, checkpoint and exit "
                      f"(killed if not gone {self.grace:.0f} s after they get it)")
             # Until a rank handles it (still starting: `_deliver` holds it back) only a bound on the
             # start-up; each delivery then gives the ranks their grace.
@@ -171,6 +173,7 @@ class Supervisor:
         why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         self.dead_rank = (rank, pid)
         self.dead_code = code
+        self.dead_why = why
         others = sorted(r for _, r, _, _ in dead if r != rank)
         also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed with it)" if others else ""
         self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks{also}")
@@ -180,7 +183,7 @@ class Supervisor:
     def run(self, announce=lambda: None) -> int:
         """Start the launcher and supervise it; `announce` runs once this process handles the
         signals (a signal from then on reaches the ranks, also one sent before they start)."""
-        handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
         hup_ignored = signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
         previous = {s: signal.getsignal(s) for s in handled}
         env = dict(self.env, **{OWNER_ENV: str(os.getpid())})
@@ -231,6 +234,23 @@ class Supervisor:
             rc = 128 + self.signals[0]
         return rc
 
+    def ending(self, rc: int) -> tuple[str, str] | None:
+        """(state, reason) of a launch that ended with `rc` in a way the ranks could not record
+        themselves (they record the ends they agree on: AGREED_ENDS); None for those."""
+        if rc in AGREED_ENDS:
+            return None
+        if self.signals:
+            name = signal.Signals(self.signals[0]).name
+            if len(self.signals) > 1:
+                return "stopped", f"{name}, then another signal: every process of the run was killed"
+            if self.signals[0] in CHECKPOINT_SIGNALS:
+                return "stopped", f"{name}: the ranks exited without a checkpoint (exit code {rc})"
+            what = {signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}.get(self.signals[0], "")
+            return "stopped", f"{name}{f' ({what})' if what else ''}: every rank stopped at once, without a checkpoint"
+        if self.dead_rank:
+            return "failed", f"rank {self.dead_rank[0]} (PID {self.dead_rank[1]}) died ({self.dead_why})"
+        return "failed", f"the ranks ended with exit code {rc}"
+
     def _reap_group(self) -> None:
         end = time.monotonic() + KILL_AFTER
         while self._group_alive():
@@ -278,5 +298,10 @@ def die_with_parent_shell() -> None:
         prctl_pdeathsig(signal.SIGHUP)
 
 
-def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float, announce=lambda: None) -> int:
-    return Supervisor(cmd, env, cwd, grace_seconds).run(announce)
+def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float,
+              announce=lambda: None) -> tuple[int, tuple[str, str] | None]:
+    """Run and supervise the launch: (its exit code, (state, reason) where the ranks could not record
+    how it ended: `Supervisor.ending`)."""
+    supervisor = Supervisor(cmd, env, cwd, grace_seconds)
+    rc = supervisor.run(announce)
+    return rc, supervisor.ending(rc)

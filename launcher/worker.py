@@ -26,15 +26,24 @@ from trainer import signals
 from trainer.checkpointer import NoRoomStop
 from trainer.config import ConfigError, load_config
 from trainer.guard import DivergenceStop
+from trainer import run_dir
 from trainer.run_dir import record_stop
 from trainer.trainer import Trainer
+
+
+def record_ending(trainer: Trainer | None, state: str, reason: str, code: int) -> None:
+    """summary.json and train.log's `end |` line (rank 0) for a launch that ends in `state`: where
+    the Trainer got as far as its steps, with its numbers (Trainer.summary)."""
+    if trainer is not None and trainer.started is not None:  # stopped inside run()
+        trainer.summary(time.perf_counter() - trainer.started, state, reason, code)
+    elif trainer is not None and torch.distributed.get_rank() == 0:
+        run_dir.record_ending(trainer.cfg.run_dir, state, reason, code)
 
 
 def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
     """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
     summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
-    if trainer is not None and trainer.started is not None:  # stopped inside run()
-        trainer.summary(time.perf_counter() - trainer.started, stopped=f"divergence: {error}")
+    record_ending(trainer, "diverged", str(error), signals.DIVERGED_EXIT_CODE)
     if torch.distributed.get_rank() == 0:
         message = f"error: {error}"
         print(message, file=sys.stderr, flush=True)
@@ -113,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         record_divergence_stop(trainer, e)
         exit_rank(signals.DIVERGED_EXIT_CODE)
     except NoRoomStop as e:  # every rank, before the same save (make_room's all-reduce)
+        record_ending(trainer, "failed", str(e), signals.NO_ROOM_EXIT_CODE)
         if rank == "0":
             print(e, file=sys.stderr, flush=True)
         exit_rank(signals.NO_ROOM_EXIT_CODE)
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr, flush=True)  # what Python prints for sys.exit("error: …")
+            record_ending(trainer, "failed", str(e.code).removeprefix("error: "), 1)
         # The same teardown hazard as a clean end (see exit_rank): keep the exit status asked for.
         exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
     except Exception as e:

@@ -23,13 +23,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
 import pytest
 
 from tests.conftest import ROOT, launch, write_run_config
+from tests.run_cli import Run, _gone, _losses
 
 
 # ---- checkpoint damage and divergence (one launch) -------------------------------------------
@@ -86,7 +86,8 @@ def test_divergence_stop_applies_nothing_and_saves_nothing(worker):
     assert len(r["events"]) == 1
     assert "rerunning resumes from step2 with the new settings" in r["stopped"]
     summary = r["summary"]  # written on the way out, with the event and the reason
-    assert summary["stopped"] == f"divergence: {r['stopped']}" and summary["divergence_events"] == 1
+    assert (summary["state"], summary["reason"], summary["exit_code"]) == ("diverged", r["stopped"], 3)
+    assert summary["divergence_events"] == 1
     assert summary["steps"] == 3 and summary["checkpoint"].endswith("step2")  # stopped at 3, saved at 2
 
 
@@ -113,72 +114,6 @@ def test_divergence_rollback_reloads_and_skips_the_window(worker):
 
 
 # ---- ./run.sh train: signals, the run lock, kill -9 mid-save (three launches) -----------------
-
-class Run:
-    """`./run.sh train CONFIG` (the CLI behind it) in the background, its output collected."""
-
-    started: list[Run] = []
-
-    def __init__(self, config: str, file_size_limit: int | None = None):
-        """`file_size_limit`: bytes any file of the run may grow to (`ulimit -f`, for every process)."""
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        limit = None if file_size_limit is None else (
-            lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit)))
-        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "train", config, "--eval-sentences", "0"],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=limit)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        Run.started.append(self)
-
-    @classmethod
-    def kill_all(cls) -> None:
-        """What a failed test left running (the test itself asserts that nothing is)."""
-        for run in cls.started:
-            try:
-                procs = [psutil.Process(run.proc.pid), *run.tree()]
-            except psutil.NoSuchProcess:
-                continue
-            for p in procs:
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        cls.started.clear()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            for line in list(self.lines):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}:\n{''.join(self.lines)[-4000:]}")
-
-    def tree(self) -> list[psutil.Process]:
-        return psutil.Process(self.proc.pid).children(recursive=True)
-
-    def text(self) -> str:
-        return "".join(self.lines)
-
-
-def _losses(text: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+) \| loss ([\d.]+)", text)}
-
-
-def _gone(procs: list[psutil.Process], timeout: float) -> float:
-    start = time.monotonic()
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    assert not alive, f"still running: {[p.pid for p in alive]}"
-    return time.monotonic() - start
-
 
 @pytest.fixture
 def runs():

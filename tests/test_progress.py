@@ -205,7 +205,7 @@ def test_a_short_run_shows_its_progress_keeps_train_log_and_is_recognised_when_f
     # finished: said in one line, before any rank starts
     start = time.monotonic()
     again = train()
-    assert "is finished: its newest checkpoint is step 4 and train.max_steps is 4" in again.stdout
+    assert "is finished: its newest checkpoint is step 4, and it was launched with train.max_steps=4" in again.stdout
     assert "launching" not in again.stdout and "--set train.max_steps=8" in again.stdout
     assert time.monotonic() - start < 30
 

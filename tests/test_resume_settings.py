@@ -32,7 +32,7 @@ def single_rank(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
 
 
-def test_resumed_run_uses_the_configs_lr_and_adam_settings(single_rank, capsys):
+def test_resumed_run_uses_the_configs_lr_and_adam_settings(single_rank, capsys, tmp_path):
     before = TrainConfig(lr=2e-3, warmup_steps=4)
     _, optimizer, scheduler = _trained(before, 10)
     saved = optimizer.state_dict(), scheduler.state_dict()
@@ -41,7 +41,7 @@ def test_resumed_run_uses_the_configs_lr_and_adam_settings(single_rank, capsys):
     optimizer.load_state_dict(saved[0])  # what DeepSpeed's load_checkpoint does with the client's
     scheduler.load_state_dict(saved[1])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3 * (4 / 11) ** 0.5)  # the old run's, until now
-    owner = types.SimpleNamespace(cfg=types.SimpleNamespace(train=after),
+    owner = types.SimpleNamespace(cfg=types.SimpleNamespace(train=after, run_dir=str(tmp_path)),
                                   engine=types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer))
     Checkpointer.apply_optimizer_config(owner)
     group = optimizer.param_groups[0]
@@ -49,6 +49,7 @@ def test_resumed_run_uses_the_configs_lr_and_adam_settings(single_rank, capsys):
     assert (group["weight_decay"], tuple(group["betas"]), group["eps"]) == (0.01, (0.9, 0.99), 1e-6)
     out = capsys.readouterr().out
     assert "train.lr 0.002 → 0.0001" in out and "train.weight_decay 0.0 → 0.01" in out and "adam_eps" in out
+    assert "train.lr 0.002 → 0.0001" in (tmp_path / "train.log").read_text()  # the resume's record
     weight.grad = torch.full_like(weight, 0.5)
     optimizer.step()
     scheduler.step()  # the schedule goes on from the checkpoint's step with the new peak

@@ -25,12 +25,22 @@ import torch
 from parallel import manifest, rng
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.run_dir import record_stop, resume_differences, saved_run_config
+from trainer.progress import LOG_NAME, append_log, same_file
 from trainer.signals import NO_ROOM_EXIT_CODE
 
 
 def log0(*args) -> None:
     if torch.distributed.get_rank() == 0:
         print(*args, flush=True)
+
+
+def note0(run_dir: str, text: str) -> None:
+    """A line of rank 0 for the console and train.log (where the console is not train.log already)."""
+    if torch.distributed.get_rank() != 0:
+        return
+    print(text, flush=True)
+    if not same_file(sys.stdout, os.path.join(run_dir, LOG_NAME)):
+        append_log(run_dir, text)
 
 
 class Checkpointer:
@@ -40,6 +50,8 @@ class Checkpointer:
         self.cfg, self.layout, self.engine, self.module = cfg, layout, engine, module
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
         self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
+        self.saved: dict | None = None  # the config of the run's last launch (config.json), as resume found it
+        self.max_steps = cfg.train.max_steps  # what this launch trains to (config.json records it)
 
     def universal(self) -> bool:
         """A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
@@ -77,16 +89,16 @@ class Checkpointer:
                     problems = [f"{tag_dir} holds non-finite weights"]
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                log0(f"checkpoint {tag} is damaged: {problems[0]}{more}; falling back to an older one")
+                note0(self.cfg.run_dir, f"checkpoint {tag} is damaged: {problems[0]}{more}; falling back to an older one")
                 damaged.append(tag)
                 continue
             self.restored(client, tag_dir)
             if damaged:
-                log0(f"resumed from the intact checkpoint {tag} (step {client['step']}) instead of "
-                     f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
+                note0(self.cfg.run_dir, f"resumed from the intact checkpoint {tag} (step {client['step']}) instead of "
+                      f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
                 self.set_aside(damaged)
             else:
-                log0(f"resumed from {tag_dir} at step {client['step']} (verified)")
+                note0(self.cfg.run_dir, f"resumed from {tag_dir} at step {client['step']} (verified)")
                 if why and self.layout.rank == 0:  # `latest` named nothing usable: name the one resumed
                     manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
             return client
@@ -94,13 +106,27 @@ class Checkpointer:
         self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
                            "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
 
-    def stop_together(self, message: str) -> None:
-        """All ranks stop with exit 1 on the same finding: rank 0 prints `message` before any rank
-        exits (the launcher ends the others as soon as one exits); raises SystemExit."""
+    def stop_together(self, message: str, code: int = 1) -> None:
+        """All ranks stop with exit `code` on the same finding: rank 0 prints `message` before any
+        rank exits (the launcher ends the others as soon as one exits); raises SystemExit."""
         if self.layout.rank == 0:
             print(message, file=sys.stderr, flush=True)
         torch.distributed.barrier()
-        raise SystemExit(1)
+        raise SystemExit(code)
+
+    def record_launch(self, max_steps: int) -> None:
+        """config.json: this launch's config (train.max_steps as this launch trains to), written by
+        rank 0 before the first step: the record a later launch compares with and reads the run's
+        state from (trainer/run_dir.py `relaunch`)."""
+        self.max_steps = max_steps
+        if self.layout.rank != 0:
+            return
+        try:
+            manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"),
+                                  json.dumps(self.launch_config(), indent=2))
+        except OSError as e:
+            log0(f"warning: could not write {self.cfg.run_dir}/config.json ({e.strerror or e}); the next "
+                 "checkpoint's manifest records the config")
 
     def resume_universal(self) -> dict:
         """The universal checkpoint of `./run.sh convert reshard` (it has no manifest: not verified)."""
@@ -112,7 +138,7 @@ class Checkpointer:
         if not self.weights_finite():
             raise SystemExit(f"error: {path} holds non-finite weights; it cannot be resumed")
         self.restored(client, path)
-        log0(f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
+        note0(self.cfg.run_dir, f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
         return client
 
     def restored(self, client: dict, path: str) -> None:
@@ -127,10 +153,11 @@ class Checkpointer:
         self.apply_optimizer_config()
 
     def apply_optimizer_config(self) -> None:
-        """The config's AdamW settings over the ones the checkpoint restored. DeepSpeed reloads the
-        optimizer's param_groups and the scheduler's base_lrs with the checkpoint, so a train.lr,
-        weight_decay, adam_betas or adam_eps changed for the resume (e.g. a lower lr after a
-        divergence stop) would otherwise be ignored without a word. The schedule's shape (warm-up)
+        """The config's AdamW settings and clipping over the ones the checkpoint restored. DeepSpeed
+        reloads the optimizer's param_groups, the scheduler's base_lrs and the optimizer's clip value
+        (BF16_Optimizer's `clip_grad`) with the checkpoint, so a train.lr, weight_decay, adam_betas,
+        adam_eps or clip_norm changed for the resume (e.g. after a divergence stop, as its message
+        advises) would otherwise be ignored without a word. The schedule's shape (warm-up)
         comes from the config already; its position (the step) from the checkpoint."""
         t = self.cfg.train
         scheduler, groups = self.engine.lr_scheduler, self.engine.optimizer.param_groups
@@ -150,8 +177,18 @@ class Checkpointer:
                 changed.append(f"train.{name} {old} → {value}")
                 for group in groups:
                     group[key] = value
+        optimizer = self.engine.optimizer
+        if getattr(optimizer, "clip_grad", t.clip_norm) != t.clip_norm:  # DeepSpeed restores it with the state
+            changed.append(f"train.clip_norm {optimizer.clip_grad:g} → {t.clip_norm:g}")
+            optimizer.clip_grad = t.clip_norm
         if changed:
-            log0(f"resumed with the config's {', '.join(changed)} (the checkpoint had the old values)")
+            note0(self.cfg.run_dir, f"resumed with the config's {', '.join(changed)} (the checkpoint had the old values)")
+
+    def launch_config(self) -> dict:
+        """The run config as this launch trains it (its max_steps included)."""
+        record = to_dict(self.cfg)
+        record["train"]["max_steps"] = self.max_steps
+        return record
 
     def weights_finite(self) -> bool:
         """All ranks agree whether every loaded parameter is finite."""
@@ -186,6 +223,7 @@ class Checkpointer:
         saved = manifest.broadcast(saved)  # rank 0 read (and, if need be, restored) config.json
         if saved is None:
             return
+        self.saved = saved if "refused" not in saved else None
         if "refused" in saved:
             self.stop_together(f"error: {saved['refused']}")
         # Activation checkpointing and precision may change between launches; the model and the
@@ -204,7 +242,7 @@ class Checkpointer:
         and the reason; the previous checkpoints stay intact and the incomplete one is ignored."""
         tag = f"step{step}"
         tag_dir = os.path.join(self.ckpt_dir, tag)
-        client = dict(client, step=step, config=to_dict(self.cfg))
+        client = dict(client, step=step, config=self.launch_config())
         if self.layout.rank == 0:
             shutil.rmtree(tag_dir, ignore_errors=True)
         torch.distributed.barrier()
@@ -222,11 +260,11 @@ class Checkpointer:
                        f"({reason}); the incomplete {tag} is ignored. {self._kept_text()}")
             record_stop(self.cfg.run_dir, message, 1)
             raise SystemExit(message) from None
-        manifest.commit(self.ckpt_dir, tag, step, extra={"config": to_dict(self.cfg)})
+        manifest.commit(self.ckpt_dir, tag, step, extra={"config": self.launch_config()})
         if self.layout.rank == 0:
             try:  # the manifest holds the config too (preflight.saved_run_config): a failure here loses nothing
                 manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"),
-                                      json.dumps(to_dict(self.cfg), indent=2))
+                                      json.dumps(self.launch_config(), indent=2))
             except OSError as e:
                 log0(f"warning: could not write {self.cfg.run_dir}/config.json ({e.strerror or e}); the manifest of "
                      f"{tag} records the config")

@@ -54,7 +54,7 @@ class Progress:
             return
         # Output already sent to train.log itself (experiments/depth_1000.py redirects the ranks
         # there): written once.
-        self.to_file = not _same_file(self.console, os.path.join(run_dir, LOG_NAME))
+        self.to_file = not same_file(self.console, os.path.join(run_dir, LOG_NAME))
         if _is_terminal(self.console) and total_steps > first_step:
             from tqdm import tqdm
 
@@ -134,7 +134,7 @@ class Progress:
             self.bar = None
 
 
-def _same_file(stream, path: str) -> bool:
+def same_file(stream, path: str) -> bool:
     try:
         return os.path.samestat(os.fstat(stream.fileno()), os.stat(path))
     except (AttributeError, OSError, ValueError, io.UnsupportedOperation):

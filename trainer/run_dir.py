@@ -14,17 +14,74 @@ from trainer.config import ConfigError
 PREEMPTED_MARKER = "preempted.json"  # every rank checkpointed on a signal; the job requeues itself
 STOPPED_MARKER = "stopped.json"  # a stop that would recur (divergence, no room); the job is not requeued
 
-# Keys a resumed run may not change: the checkpoint's tensors and their partition depend on them.
-# Activation checkpointing, precision and everything in train/data may change between launches.
-FIXED_ON_RESUME = ([("model", f.name) for f in dataclasses.fields(ModelConfig) if f.name != "vocab_size"]
-                   + [("parallel", key) for key in ("pipeline_stages", "tensor_parallel", "data_parallel",
-                                                     "zero_stage", "partition_method")])
+# ---- what a resumed run may change --------------------------------------------------------------
+# Every key of a run config has one rule for a launch that resumes a run directory (a test checks
+# that every key has one, and for every honoured key that a resumed run uses the new value):
+FIXED = "fixed"  # refused before any rank starts, naming the key: the checkpoint's tensors, their
+#                  partition over the ranks, or the streams seeded from it depend on the value
+PREPARED = "prepared"  # refused while run_dir/data was prepared with another value: preparing again
+#                        would give the checkpoints another tokenizer (launcher/preflight.py)
+HONOURED = "honoured"  # the resumed run uses the new value (the optimizer's settings too, which
+#                        the checkpoint restores and trainer/checkpointer.py sets again)
+NOT_A_SETTING = "not a setting"  # run_dir names the run itself; clusters is read by ./run.sh slurm only
+
+_HONOURED_MODEL = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")
+_HONOURED_DATA = ("max_tokens", "sampling_temperature", "workers")
+_FIXED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage", "partition_method")
+
+
+def _resume_rules() -> dict[str, str]:
+    from data.config import DataConfig
+    from parallel.config import ParallelConfig, TrainConfig
+
+    rules = {"run_dir": NOT_A_SETTING, "clusters": NOT_A_SETTING}
+    for f in dataclasses.fields(ModelConfig):
+        # vocab_size 0 means "the data's": the data's own rule (PREPARED) keeps it
+        rules[f"model.{f.name}"] = HONOURED if f.name in _HONOURED_MODEL or f.name == "vocab_size" else FIXED
+    for f in dataclasses.fields(DataConfig):
+        rules[f"data.{f.name}"] = HONOURED if f.name in _HONOURED_DATA else PREPARED
+    for f in dataclasses.fields(ParallelConfig):
+        rules[f"parallel.{f.name}"] = FIXED if f.name in _FIXED_PARALLEL else HONOURED
+    for f in dataclasses.fields(TrainConfig):
+        # the weights' initialisation and every rank's RNG streams were seeded from it; a resumed
+        # run continues those streams from the checkpoint, so a new seed could not take effect
+        rules[f"train.{f.name}"] = FIXED if f.name == "seed" else HONOURED
+    return rules
+
+
+RESUME_RULES = _resume_rules()
+FIXED_ON_RESUME = [tuple(key.split(".")) for key, rule in RESUME_RULES.items() if rule == FIXED]
 
 
 def resume_differences(saved: dict, now: dict) -> list[str]:
     """`section.key: old → new` for every key of FIXED_ON_RESUME that differs."""
     return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} → {now[section][key]!r}"
             for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
+
+
+def setting_changes(saved: dict, now: dict) -> list[str]:
+    """`section.key old → new` for every honoured key whose value differs from the recorded
+    config's (the settings a resuming launch changes)."""
+    changes = []
+    for key, rule in RESUME_RULES.items():
+        if rule != HONOURED or key == "model.vocab_size":
+            continue
+        section, name = key.split(".")
+        if name not in saved.get(section, {}):
+            continue
+        old, new = saved[section][name], now[section][name]
+        if _plain(old) != _plain(new):
+            changes.append(f"{key} {_shown(old)} → {_shown(new)}")
+    return changes
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _shown(value) -> str:
+    value = _plain(value)
+    return "[" + ", ".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
 
 
 def saved_run_config(run_dir: str, log=print, restore: bool = True) -> dict | None:
@@ -77,3 +134,68 @@ def record_stop(run_dir: str, message: str, code: int) -> None:
                               json.dumps({"code": code, "reason": message}) + "\n")
     except OSError:
         pass
+
+
+# ---- run states --------------------------------------------------------------------------------
+# A run directory's state comes from two records: the step of its newest committed checkpoint and
+# the train.max_steps of the launch that last trained it (config.json, written by every launch
+# that trains before its first step). A run is finished only when it reached that max_steps.
+TRAIN, FINISHED, END_HERE, BELOW = "train", "finished", "end here", "below"
+
+
+def launched_max_steps(saved: dict | None) -> int | None:
+    """train.max_steps of the last launch, from its recorded config (None: nothing recorded)."""
+    value = ((saved or {}).get("train") or {}).get("max_steps")
+    return value if isinstance(value, int) else None
+
+
+def relaunch(run_dir: str, step: int | None, max_steps: int, launched: int | None) -> tuple[str, str]:
+    """What a launch asking for `max_steps` does with a run whose newest checkpoint is at `step`
+    and whose last launch asked for `launched`: (TRAIN | FINISHED | END_HERE | BELOW, one line).
+    TRAIN: resume (or start) and train to max_steps. FINISHED: the run reached the max_steps it was
+    last launched with, and this launch asks for no more: nothing to do (exit 0). END_HERE: the
+    run stopped short of its last launch's max_steps and this launch asks for exactly the step it
+    stopped at: the run ends there (recorded as finished, exit 0). BELOW: this launch asks for
+    fewer steps than the stopped run already has: refused (exit 2), saying how to continue or end."""
+    if step is None or step < max_steps:
+        return TRAIN, ""
+    if launched is None or step >= launched:
+        return FINISHED, (f"{run_dir} is finished: its newest checkpoint is step {step}, and it was launched "
+                          f"with train.max_steps={launched if launched is not None else max_steps}; to train "
+                          f"on, raise it (e.g. --set train.max_steps={step + max(step, 1)})")
+    if step == max_steps:
+        return END_HERE, (f"{run_dir} stopped at step {step} of the train.max_steps={launched} it was launched "
+                          f"with; this launch's train.max_steps={max_steps} ends it there (recorded as finished)")
+    return BELOW, (f"{run_dir} is not finished: it stopped at step {step} of the train.max_steps={launched} it was "
+                   f"last launched with (its config.json), and this launch's train.max_steps={max_steps} is below "
+                   f"step {step}. To continue it: --set train.max_steps={launched} (or more); to end it at step "
+                   f"{step}: --set train.max_steps={step}")
+
+
+# ---- endings -----------------------------------------------------------------------------------
+SUMMARY_NAME = "summary.json"
+
+
+def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dict | None = None) -> dict:
+    """summary.json for an ending of a launch: `state` (finished | stopped | diverged | failed), its
+    `reason` and the exit code, over `summary` (the trainer's numbers, where it could write them)
+    or, for an ending the ranks could not record themselves (a signal that ends them at once, a
+    failed rank), the newest committed checkpoint; and one `end | …` line in train.log. Best
+    effort: the disk may be full. Returns what was written."""
+    from parallel import manifest
+    from trainer.progress import append_log
+
+    record = dict(summary or {})
+    if summary is None:
+        ckpt_dir = os.path.join(run_dir, "checkpoints")
+        newest = manifest.newest_committed(ckpt_dir)
+        record.update(steps=int(newest[len("step"):]) if newest else 0,
+                      checkpoint=os.path.join("checkpoints", newest) if newest else None, log="train.log")
+    record.update(state=state, reason=reason, exit_code=code)
+    try:
+        manifest.write_atomic(os.path.join(run_dir, SUMMARY_NAME), json.dumps(record, indent=2) + "\n")
+    except OSError:
+        pass
+    kept = f"; newest checkpoint {record['checkpoint']}" if record.get("checkpoint") else "; no checkpoint yet"
+    append_log(run_dir, f"end | {state}: {reason} (exit code {code}){kept}")
+    return record

@@ -44,6 +44,7 @@ class StopRequest:
         self.checkpoint = False  # SIGUSR1 / first SIGTERM: finish the step, checkpoint, exit 75
         self.signal_name = ""
         self.saved = False  # the stop checkpoint is committed: later signals just end the rank
+        self.grace_seconds = 0.0  # after SIGTERM, the rank exits without a checkpoint this much later
 
 
 stop = StopRequest()
@@ -63,6 +64,8 @@ def install_rank_handlers(grace_seconds: float) -> None:
     on it by an all-reduce); after SIGTERM the rank exits anyway `grace_seconds` later, without a
     checkpoint (SLURM's KillWait is 30 s by default). A second SIGTERM, SIGINT and SIGHUP end the
     rank at once; checkpoints are committed atomically, so none is left half-valid."""
+
+    stop.grace_seconds = grace_seconds
 
     def on_checkpoint_signal(signum, frame):
         name = signal.Signals(signum).name

@@ -27,7 +27,8 @@ from trainer.checkpointer import Checkpointer, log0
 from trainer.config import RunConfig
 from trainer.guard import DivergenceGuard, DivergenceStop
 from trainer.progress import LOG_NAME, Progress, append_log
-from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
+from trainer.run_dir import (BELOW, PREEMPTED_MARKER, STOPPED_MARKER, TRAIN, launched_max_steps, record_ending,
+                            relaunch)
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
 # forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
@@ -118,7 +119,17 @@ class Trainer:
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
-        self.restore(self.checkpoints.resume())
+        resumed = self.checkpoints.resume()
+        self.restore(resumed)
+        # What this launch does with the run (trainer/run_dir.py `relaunch`; ./run.sh train decides
+        # the same before any rank starts): train, nothing (finished), or refuse a max_steps below
+        # a stopped run's step. A launch that trains records itself in config.json first.
+        self.verdict, self.verdict_line = relaunch(cfg.run_dir, self.step if resumed else None, self.max_steps,
+                                                   launched_max_steps(self.checkpoints.saved))
+        if self.verdict == BELOW:
+            self.checkpoints.stop_together(f"error: {self.verdict_line}", code=2)
+        if self.verdict == TRAIN:
+            self.checkpoints.record_launch(self.max_steps)
         if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
             for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # an earlier launch's preemption or stop, now resumed
@@ -223,8 +234,8 @@ class Trainer:
                 self.history["valid"].append((0, v))
                 progress.log(f"step 0 | valid loss {v:.4f}")
                 monitor.write_events([("valid/loss", v, 0)])
-            if self.step >= self.max_steps:
-                progress.log(f"run already at step {self.step} = train.max_steps; raise train.max_steps to continue")
+            if self.verdict != TRAIN:
+                progress.log(self.verdict_line)
             window_tokens, window_time, t0 = 0, 0.0, time.perf_counter()
             self.started = t0
             progress.start_steps()
@@ -260,7 +271,8 @@ class Trainer:
         finally:
             progress.close()
         wall = time.perf_counter() - t0
-        return self.summary(wall)
+        reason = (f"reached train.max_steps={self.max_steps}" if self.verdict == TRAIN else self.verdict_line)
+        return self.summary(wall, "finished", reason, 0)
 
     # ---- divergence (trainer/guard.py) -------------------------------------------------------
     def on_divergence(self, event: dict) -> bool:
@@ -316,14 +328,17 @@ class Trainer:
                            "time": time.time()}, f, indent=2)
         log0(f"step {self.step} | preempted by {name}: saved checkpoint {path}; "
              f"exiting with code {signals.PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
+        self.summary(time.perf_counter() - (self.started or time.perf_counter()), "stopped",
+                     f"{name}: checkpointed at step {self.step}, to be resumed", signals.PREEMPTED_EXIT_CODE)
         torch.distributed.barrier()
         signals.stop.saved = True
         raise SystemExit(signals.PREEMPTED_EXIT_CODE)
 
-    def summary(self, wall: float, stopped: str | None = None) -> dict:
-        """Write run_dir/summary.json (rank 0) and print it; `stopped`: why the run ended early
-        (a divergence stop), kept in the file. Paths in the file are relative to the run
-        directory, so that it stays true when the run directory is copied or moved."""
+    def summary(self, wall: float, state: str, reason: str, code: int) -> dict:
+        """How this launch ended (`state`: finished | stopped | diverged | failed, `reason`, the exit
+        `code`) with the run's numbers: run_dir/summary.json and an `end |` line in train.log
+        (trainer/run_dir.py `record_ending`, rank 0), and printed. Paths in the file are relative
+        to the run directory, so that it stays true when the run directory is copied or moved."""
         valid = self.history["valid"]
         tps = self.history["tokens_per_s"]
         newest = manifest.newest_committed(self.ckpt_dir)
@@ -340,11 +355,8 @@ class Trainer:
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
                        "data_parallel": self.layout.dp},
-            "stopped": stopped,
         }
         if self.layout.rank == 0:
-            with open(os.path.join(self.cfg.run_dir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
             losses = " → ".join(f"{v:.4f}" for v in (summary["first_valid_loss"], summary["last_valid_loss"])
                                 if v is not None) or "none"
             lines = [f"steps {summary['steps']} | valid loss {losses} | target tokens/s "
@@ -353,11 +365,10 @@ class Trainer:
             if self.guard.events:
                 lines.append(f"divergence events: {len(self.guard.events)} (policy {self.cfg.train.divergence_policy}; "
                              "listed in summary.json)")
-            if stopped:
-                lines.append(f"stopped: {stopped}")
+            if state != "finished":
+                lines.append(f"{state}: {reason}")
             print("\n== summary ==\n" + "\n".join(lines), flush=True)
             for line in lines:
                 append_log(self.cfg.run_dir, f"summary | {line}")
+            summary = record_ending(self.cfg.run_dir, state, reason, code, summary)
         return summary
-
-

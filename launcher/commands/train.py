@@ -6,17 +6,19 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 
 import yaml
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, run_dir_override
 from trainer.config import ConfigError, load_config, to_dict
-from launcher.preflight import check_device, check_resume, check_run_dir, finished_step
+from launcher.preflight import check_device, check_relaunch, check_resume, check_run_dir, end_run_here
 from launcher.procs import die_with_parent_shell, supervise
 from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
 from parallel import accelerator
+from trainer.run_dir import BELOW, END_HERE, FINISHED, SUMMARY_NAME, record_ending
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
 
@@ -40,12 +42,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
     cfg = load_config(args.config, run_dir_override(args), sets=args.sets)
     check_run_dir(cfg, args.config)
-    check_resume(cfg, args.config)
-    done = finished_step(cfg)
-    if done is not None:  # before the device check, the data and the ranks: nothing to do
-        print(f"{cfg.run_dir} is finished: its newest checkpoint is step {done} and train.max_steps is "
-              f"{cfg.train.max_steps}; to train on, raise it (e.g. --set train.max_steps="
-              f"{done + max(done, 1)})", flush=True)
+    saved = check_resume(cfg, args.config)
+    verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
+    if verdict == BELOW:
+        raise ConfigError(line)
+    if verdict == FINISHED:
+        print(line, flush=True)
         return 0
     check_device(cfg, args.config)
     check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
@@ -58,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
                           "choose a writable run_dir") from None
     die_with_parent_shell()
     try:
+        if verdict == END_HERE:
+            end_run_here(cfg, saved, line)
+            print(line, flush=True)
+            return 0
         return _train(args, cfg)
     finally:
         lock.release()
@@ -132,6 +138,14 @@ def record_scores(run_dir: str, sentences: int) -> None:
                + f" (first {sentences} sentences per direction, beam 5; eval/test.md)")
 
 
+def _recorded_since(run_dir: str, started: float) -> bool:
+    """Whether a rank recorded this launch's ending (summary.json written since `started`)."""
+    try:
+        return os.path.getmtime(os.path.join(run_dir, SUMMARY_NAME)) >= started
+    except OSError:
+        return False
+
+
 def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, cores: int) -> int:
     """Start the ranks under supervision (launcher/procs.py); their exit code, explained."""
     where = (f"{world} of {gpus} GPUs" if gpus else
@@ -143,7 +157,11 @@ def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, 
             print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
 
     env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
-    rc = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds, announce)
+    started = time.time()
+    rc, ending = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds, announce)
+    if ending is not None and not _recorded_since(cfg.run_dir, started):
+        # summary.json and train.log say how it ended, as the ranks do for the ends they reach
+        record_ending(cfg.run_dir, *ending, rc)
     if rc == PREEMPTED_EXIT_CODE:
         print("training was stopped after saving a checkpoint; run the same command to resume", flush=True)
     elif rc in (129, 130, 143):
