@@ -84,8 +84,11 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
 
 
 def _load(path: str) -> dict:
+    from deepspeed.utils.tensor_fragment import fragment_address  # named in optimizer shards
+
     try:
-        return torch.load(path, map_location=HOST, weights_only=True)
+        with torch.serialization.safe_globals([fragment_address]):
+            return torch.load(path, map_location=HOST, weights_only=True)
     except Exception as e:  # unpickling refused or a truncated file
         raise CheckpointError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
 
@@ -223,6 +226,31 @@ def load_model(source: str, tag: str | None = None) -> LoadedModel:
 
 # ---- resharding -------------------------------------------------------------------------------
 
+LOSS_SCALE_FILE = "loss_scale.json"
+
+
+def keep_loss_scale(tag_dir: str, universal_dir: str) -> None:
+    """fp16's dynamic loss scale (the scaler's scale, iteration and last overflow: FlatOptimizer's
+    `loss_scaler_state`) of the checkpoint at `tag_dir`, written beside its universal copy; the
+    universal format has no place for it (DeepSpeed's load passes no scaler state), and without it
+    a resharded run would start again at 2^16 and overflow its way back down. Every rank's shard
+    holds the same state (an overflow is decided globally); none for fp32 and bf16."""
+    for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))[:1]:
+        state = (_load(path).get("optimizer_state_dict") or {}).get("loss_scaler_state")
+        if state:
+            with open(os.path.join(universal_dir, LOSS_SCALE_FILE), "w", encoding="utf-8") as f:
+                json.dump(state, f)
+
+
+def kept_loss_scale(universal_dir: str) -> dict | None:
+    """What `keep_loss_scale` wrote beside a universal checkpoint (None: nothing)."""
+    try:
+        with open(os.path.join(universal_dir, LOSS_SCALE_FILE), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
 def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: int,
             tag: str | None = None, max_steps: int | None = None, *,
             check_config: Callable[[dict], None]) -> str:
@@ -278,6 +306,7 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
         shutil.rmtree(work, ignore_errors=True)
         raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"
                               f"{(proc.stdout + proc.stderr)[-3000:]}")
+    keep_loss_scale(tag_dir, work)
     os.replace(work, os.path.join(ckpt_dir, universal_tag))
 
     data_link = os.path.join(out_run_dir, "data")

@@ -23,6 +23,7 @@ except ImportError:  # not on every platform
 import torch
 
 from parallel import manifest, rng
+from parallel.checkpoints import kept_loss_scale
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.run_dir import record_stop, resume_differences, saved_run_config
 from trainer.progress import LOG_NAME, append_log, same_file
@@ -138,6 +139,11 @@ class Checkpointer:
         if not self.weights_finite():
             raise SystemExit(f"error: {path} holds non-finite weights; it cannot be resumed")
         self.restored(client, path)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        kept = kept_loss_scale(path if os.path.isdir(path) else os.path.dirname(path))
+        if scaler is not None and kept:  # fp16: the scale the source run had reached (parallel/checkpoints.py)
+            for key, value in kept.items():
+                setattr(scaler, key, value)
         note0(self.cfg.run_dir, f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
         return client
 

@@ -28,7 +28,7 @@ from trainer.config import RunConfig
 from trainer.guard import DivergenceGuard, DivergenceStop
 from trainer.progress import LOG_NAME, Progress, append_log
 from trainer.run_dir import (BELOW, PREEMPTED_MARKER, STOPPED_MARKER, TRAIN, launched_max_steps, record_ending,
-                            relaunch)
+                            record_stop, relaunch)
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
 # forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
@@ -126,7 +126,9 @@ class Trainer:
         # a stopped run's step. A launch that trains records itself in config.json first.
         self.verdict, self.verdict_line = relaunch(cfg.run_dir, self.step if resumed else None, self.max_steps,
                                                    launched_max_steps(self.checkpoints.saved))
-        if self.verdict == BELOW:
+        if self.verdict == BELOW:  # a SLURM job (stopped.json) is not requeued to meet it again
+            if self.layout.rank == 0:
+                record_stop(cfg.run_dir, f"error: {self.verdict_line}", 2)
             self.checkpoints.stop_together(f"error: {self.verdict_line}", code=2)
         if self.verdict == TRAIN:
             self.checkpoints.record_launch(self.max_steps)
