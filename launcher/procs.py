@@ -14,8 +14,9 @@ its children, then SIGKILLs them 30 s later, and ends the rest when one rank exi
   SIGUSR1                                          step, the ranks checkpoint together and exit with
       PREEMPTED_EXIT_CODE. After SIGTERM, ranks that are not gone `train.stop_grace_seconds` later
       (+5 s) are killed; the last committed checkpoint stays valid (parallel/manifest.py).
-  SIGINT (Ctrl-C), SIGHUP (terminal closed)      → the same signal to every rank: they stop at once
-      without a checkpoint; killed 5 s later if still there.
+  SIGINT (Ctrl-C), SIGHUP (terminal closed)      → SIGKILL to every process of the run: they stop at
+      once, without a checkpoint (a signal a Python process handles would print a traceback in a
+      rank still importing and wait for a rank blocked in a collective).
   a second signal of any kind                    → SIGKILL to the whole group.
   the supervisor itself dies (kill -9)           → every rank watches it (`watch_owner`) and exits.
   its parent shell dies                          → it gets SIGHUP (PR_SET_PDEATHSIG), unless SIGHUP
@@ -68,10 +69,15 @@ class Supervisor:
             # Until a rank handles it (still starting: `_deliver` holds it back) only a bound on the
             # start-up; each delivery then gives the ranks their grace.
             self.deadline = time.monotonic() + max(START_UP_BOUND, self.grace + KILL_AFTER)
+            self._signal_ranks(signum)
         else:
+            # Stop at once: SIGKILL to every process of the run. The signal itself would reach a rank
+            # still importing as a KeyboardInterrupt (a traceback), the deepspeed launcher as one too,
+            # and a rank blocked in a collective only when the call returns; no checkpoint is
+            # promised, and a committed one cannot be damaged (parallel/manifest.py).
             self.log(f"{signal.Signals(signum).name}: stopping every rank now (the last checkpoint is kept)")
+            self._killpg(signal.SIGKILL)
             self.deadline = time.monotonic() + KILL_AFTER
-        self._signal_ranks(signum)
 
     def _find_ranks(self) -> None:
         import psutil

@@ -108,7 +108,7 @@ def test_every_ending_is_recorded_and_a_stopped_run_is_not_called_finished(tiny_
     # 3. Ctrl-C (SIGINT): every rank stops at once, without a checkpoint; exit 130; recorded by ./run.sh
     run = Run(config, *longer)
     code, seconds = _stop(run, signal.SIGINT)
-    assert code == 130 and seconds < 10, (code, seconds, run.text()[-3000:])
+    assert code == 130 and seconds < 5 and "Traceback" not in run.text(), (code, seconds, run.text()[-3000:])
     s = _summary(run_dir)
     assert (s["state"], s["exit_code"]) == ("stopped", 130)
     assert s["reason"] == "SIGINT (Ctrl-C): every rank stopped at once, without a checkpoint"
