@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, mask: torch.Tensor | None = None,
               causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(q_h k_hᵀ / √D) v_h for every head h, on q [B, Tq, H·D] and k, v [B, Tk, H·D]; the
-    result is [B, Tq, H·D]. `mask`: boolean, broadcastable to [B, H, Tq, Tk], True where attention
-    is allowed (None: everywhere); `causal` (with no mask): query i sees keys j ≤ i."""
+    """softmax(q_h k_hᵀ / √D + mask) v_h for every head h, on q [B, Tq, H·D] and k, v [B, Tk, H·D];
+    the result is [B, Tq, H·D]. `mask`: additive, in the activations' dtype, broadcastable to
+    [B, H, Tq, Tk]: 0 where attention is allowed, −∞ where not (model/layers.py `padding_mask`
+    makes the [B, 1, 1, Tk] source padding mask); None: everywhere. `causal`, applied only when
+    `mask` is None: query i sees keys j ≤ i."""
     b, tq, width = q.shape
 
     def split(x):

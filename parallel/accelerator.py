@@ -205,20 +205,6 @@ def memory_allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def rng_state() -> torch.Tensor | None:
-    """The accelerator's RNG state (None on the host, whose state torch.get_rng_state() holds)."""
-    import torch
-
-    return None if on_host() else torch.cuda.get_rng_state()
-
-
-def set_rng_state(state: torch.Tensor | None) -> None:
-    import torch
-
-    if state is not None and not on_host():
-        torch.cuda.set_rng_state(state)
-
-
 def supports(precision: str) -> bool:
     """Whether the accelerator trains in `precision` (fp32 | bf16 | fp16); DeepSpeed's own answer."""
     import torch

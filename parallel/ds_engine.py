@@ -5,9 +5,13 @@ precision: fp32, bf16 and fp16) in place of the optimizer DeepSpeed would choose
 optimizer in fp32 and fp16, BF16_Optimizer in bf16, the bare client optimizer at ZeRO stage 0),
 by overriding DeepSpeed's `_configure_optimizer`, and runs DeepSpeed's bf16 pipeline paths with it:
 gradients folded into the flat fp32 buffer after each backward, the tied embedding's gradient
-all-reduced there, the data-parallel reduction over the flat buffers. Where FlatOptimizer does not
-apply (MoE, offload, ZeRO ≥ 2, `FlatOptimizer.enabled = False` for A/B runs), DeepSpeed's own
-optimizer and paths run unchanged.
+all-reduced there, the data-parallel reduction over the flat buffers. Every engine the trainer
+builds gets FlatOptimizer: the run config allows ZeRO stage 0 or 1 and no offload, the model has
+no MoE layers, and the client optimizer is torch's AdamW (parallel/engine.py). DeepSpeed's own
+optimizers and paths run, unchanged, only where a caller sets `FlatOptimizer.enabled = False` (the
+A/B comparisons of the tests and of bench/ops.py); `optimizer.applies` also leaves them the
+engines no run config builds (MoE, offload, ZeRO ≥ 2, torch autocast, a client optimizer that is
+not a torch one).
 
 * `_bf16_reduce_grads`: DeepSpeed's reduction of the flat fp32 gradient buffers
   (`buffered_allreduce_fallback`: each buffer converted to the communication dtype, all-reduced
@@ -15,8 +19,9 @@ optimizer and paths run unchanged.
   copies, and without the all-reduce over a group of one at dp = 1. The conversion stays: in bf16
   DeepSpeed rounds the fp32 sums to bf16 there even at dp = 1 (its communication_data_type
   default), and the numbers equal its BF16_Optimizer's only with that rounding.
-* `clip_fp32_gradients`, `zero_grad`: the optimizer clips and clears (DeepSpeed's engine would
-  clip and drop the fp32 `.grad` views itself at ZeRO stage 0 in fp32).
+* `clip_fp32_gradients`, `zero_grad`: the optimizer clips and clears the flat buffer (at ZeRO
+  stage 0 in fp32 DeepSpeed's engine would clip the module's `.grad` by its own norm and then set
+  them to None; the fold has already moved them into the buffer and freed them).
 
 `initialize` builds an engine class of this family for a PipelineModule (deepspeed 0.19.8's
 `deepspeed.initialize` hard-codes `PipelineEngine`); parallel/zero_bubble.py's engine derives
@@ -37,11 +42,6 @@ from parallel.pipe_io import MessageIO
 
 class TrainerEngine(MessageIO, PipelineEngine):
     """PipelineEngine with FlatOptimizer (module docstring)."""
-
-    folds_deferred_gradients = False
-    """An engine that writes gradients into `.grad` outside a backward pass (zero-bubble's deferred
-    weight gradients) and calls `optimizer.fold_lp_grads()` after each such write sets this True;
-    FlatOptimizer then folds fp32 gradients too instead of handing out the buffer's views."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

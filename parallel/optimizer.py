@@ -8,15 +8,17 @@ fp32 master partition the client AdamW steps; the hp links, `state_dict`, legacy
 checkpoint loading (so parallel/checkpoints.py's consolidate and reshard read its checkpoints as
 DeepSpeed's bf16 ones). What it changes is the work per micro-batch and per step:
 
-* Accumulation into the flat fp32 buffer. fp32: every `.grad` *is* its view of that buffer, so
-  autograd (and zero-bubble's deferred weight gradients) add into it and nothing is left to do.
-  bf16/fp16: after each backward, the low-precision gradients are concatenated (one kernel) and
-  added to the buffer (one mixed-dtype add: fp32 += bf16 elementwise is DeepSpeed's per-tensor
-  `hp.add_(lp.to(fp32))`, bit for bit), then *freed*, so the next backward's AccumulateGrad takes
+* Accumulation into the flat fp32 buffer (the fold, `update_hp_grads`): after each backward the
+  gradients are added into the buffer, then *freed*, so the next backward's AccumulateGrad takes
   autograd's fresh gradient as it is (no kernel) instead of adding it into a zeroed buffer.
-  CUDA's foreach add takes its fast path only when the lists share a dtype; across fp32 and bf16
-  it loops one kernel per tensor, hence the flat add. The `.grad` hand-over per tensor runs in C
-  (`map` over attrgetter/setattr): no Python bytecode and no kernel per tensor per micro-batch.
+  fp32: one `torch._foreach_add_` into the buffer's views (one dtype: foreach's fast path).
+  bf16/fp16: the gradients concatenated (one kernel) and added to the buffer (one mixed-dtype add:
+  fp32 += bf16 elementwise is DeepSpeed's per-tensor `hp.add_(lp.to(fp32))`, bit for bit); CUDA's
+  foreach add takes its fast path only when the lists share a dtype, across fp32 and bf16 it loops
+  one kernel per tensor, hence the flat add. The `.grad` hand-over per tensor runs in C (`map`
+  over attrgetter/setattr): no Python bytecode and no kernel per tensor per micro-batch.
+  DeepSpeed's pipeline engine folds after every backward pass; gradients written outside one
+  (zero-bubble's deferred weight passes) are folded by that engine calling `fold_lp_grads`.
 * The global norm: DeepSpeed's selection (the tied embedding's pipeline copies and
   tensor-parallel duplicates left out) by one `torch._foreach_norm`, then DeepSpeed's stack, sum,
   all-reduce over the model-parallel group, root and non-finite mask: the same fp32 value as
@@ -67,15 +69,8 @@ def _free_grads(params) -> None:
 
 class FlatOptimizer(BF16_Optimizer):
     enabled = True
-    """False: engines built from now on keep DeepSpeed's own optimizers (the A/B runs of the tests)."""
-
-    fold_fp32: bool | None = None
-    """fp32 gradients folded like bf16's after each backward (stolen, then one foreach add)
-    instead of accumulated by autograd into the buffer's views (one add per tensor per backward).
-    None: folded when the engine runs only DeepSpeed's pipeline instructions, where every gradient
-    is made inside a backward pass, or declares `folds_deferred_gradients` (it calls
-    `fold_lp_grads` after writing gradients outside a backward); otherwise (parallel/zero_bubble.py's
-    WeightPass writes deferred weight gradients into `.grad` after the step's last fold) the views."""
+    """False: engines built from now on keep DeepSpeed's own optimizers (the A/B runs of the tests
+    and of bench/ops.py; the trainer never sets it)."""
 
     step_gate = None
     """Set by the divergence guard: called as step_gate(norm, loss scale, scaled=fp16) once per step
@@ -83,7 +78,7 @@ class FlatOptimizer(BF16_Optimizer):
     norm as a float, inf when not finite): its one read of the device is the step's only host sync."""
 
     def __init__(self, init_optimizer, param_names, *, dtype: torch.dtype, mpu, clip_grad: float,
-                 partition_group, allgather_bucket_size: int, loss_scaler=None, fold: bool = True):
+                 partition_group, allgather_bucket_size: int, loss_scaler=None):
         # BF16_Optimizer asserts bf16 is enabled in its config; it reads nothing else from it here.
         config = SimpleNamespace(enabled=True, immediate_grad_update=False)
         super().__init__(init_optimizer, param_names, bfloat16_config=config, mpu=mpu, clip_grad=clip_grad,
@@ -93,7 +88,6 @@ class FlatOptimizer(BF16_Optimizer):
         self.loss_scaler = loss_scaler
         self.dynamic_loss_scale = bool(loss_scaler is not None and loss_scaler.dynamic)
         self.loss_scale_overflow = False  # the last step was skipped by fp16's loss scaling
-        self._direct = dtype == torch.float32 and not fold  # .grad is the buffer's view
         self._shared_master = False
         if dtype == torch.float32:
             self._share_master()
@@ -111,12 +105,9 @@ class FlatOptimizer(BF16_Optimizer):
         self._norm_group = mpu.get_model_parallel_group() if mpu is not None else None
         self._partial = False  # some parameter lacked a gradient at some fold of this step
         self._folded = False  # gradients folded since the last clear
-        self._lp_clean = False  # every bf16/fp16 .grad is None
+        self._lp_clean = False  # every module parameter's .grad is None (DeepSpeed's "lp" gradients)
         self._hp_clean = True
-        if self._direct:
-            self._attach()
-        else:
-            self.clear_lp_grads()
+        self.clear_lp_grads()
 
     def _share_master(self) -> None:
         """fp32: the master partition becomes the module's flat weight partition (same memory)."""
@@ -126,16 +117,9 @@ class FlatOptimizer(BF16_Optimizer):
         self._link_all_hp_params()  # the links pointed into the copy just released
         self._shared_master = True
 
-    def _attach(self) -> None:
-        for params, views in zip(self.bf16_groups, self._views):
-            for p, view in zip(params, views):
-                p.grad = view
-
     # ---- per micro-batch -----------------------------------------------------------------
     @torch.no_grad()
     def update_hp_grads(self, clear_lp_grads=False):
-        if self._direct:
-            return
         for i, params in enumerate(self.bf16_groups):
             grads = list(map(_grad, params))
             if not any(map(_is_none, grads)):
@@ -158,14 +142,10 @@ class FlatOptimizer(BF16_Optimizer):
 
     def backward_prologue(self):
         self.clear_lp_grads()
-        self._lp_clean = False  # this backward makes low-precision gradients until the fold frees them
+        self._lp_clean = False  # this backward makes .grad tensors until the fold frees them
 
     def clear_lp_grads(self, set_to_none=False):
-        # DeepSpeed zeroes them; freed, the next accumulation gives the same values. The engine
-        # calls this before every backward: in fp32 the buffer is about to receive gradients.
-        if self._direct:
-            self._hp_clean = False
-            return
+        # DeepSpeed zeroes them; freed, the next accumulation gives the same values.
         if self._lp_clean:
             return
         for params in self.bf16_groups:
@@ -173,8 +153,8 @@ class FlatOptimizer(BF16_Optimizer):
         self._lp_clean = True
 
     def fold_lp_grads(self) -> None:
-        """Fold whatever low-precision gradients sit in `.grad` now into the fp32 buffer (the
-        zero-bubble engine's deferred weight gradients, computed outside a backward)."""
+        """Fold whatever gradients sit in `.grad` now into the fp32 buffer (the zero-bubble
+        engine's deferred weight gradients, computed outside a backward)."""
         self.update_hp_grads()
 
     def clear_hp_grads(self):
@@ -189,8 +169,7 @@ class FlatOptimizer(BF16_Optimizer):
         self._hp_clean = True
 
     def zero_grad(self, set_to_none=True):
-        if not self._direct:
-            self.clear_lp_grads(set_to_none)
+        self.clear_lp_grads(set_to_none)
         self.clear_hp_grads()
 
     def _mark_all(self) -> None:
@@ -204,16 +183,6 @@ class FlatOptimizer(BF16_Optimizer):
         return super().get_grads_for_norm(for_clipping)
 
     # ---- per step ----------------------------------------------------------------------------
-    def _check_views(self) -> None:
-        """fp32: a `.grad` replaced by something else (rebinding, not accumulation) is copied in."""
-        for params, views in zip(self.bf16_groups, self._views):
-            if all(map(operator.is_, map(_grad, params), views)):
-                continue
-            for p, view in zip(params, views):
-                if p.grad is not None and p.grad is not view:
-                    view.copy_(p.grad)
-                p.grad = view
-
     def _global_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """get_global_norm_of_tensors (L2): per-tensor fp32 norms stacked, squared, summed,
         all-reduced over the model-parallel group (the pipeline's stages), rooted, inf/nan → -1."""
@@ -231,9 +200,6 @@ class FlatOptimizer(BF16_Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise NotImplementedError(f'{self.__class__} does not support closure.')
-        if self._direct:
-            self._check_views()
-            self._hp_clean = False
         self._mark_all()
         self.overflow = self.loss_scale_overflow = False
         tensors = self.get_grads_for_norm()[0] if self._partial else self._norm_tensors
@@ -310,8 +276,6 @@ class FlatOptimizer(BF16_Optimizer):
             mine = state_dict_list[min(dist.get_rank(group=self.dp_process_group), len(state_dict_list) - 1)]
             for key, value in (mine.get("loss_scaler_state") or {}).items():
                 setattr(self.loss_scaler, key, value)
-        if self._direct:
-            self._attach()
 
 
 def build(engine, client_optimizer) -> FlatOptimizer:
@@ -329,15 +293,9 @@ def build(engine, client_optimizer) -> FlatOptimizer:
         scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=engine.loss_scale(),
                                   dynamic_scaling=engine.dynamic_loss_scale(),
                                   dynamic_loss_args=engine.dynamic_loss_scale_args())
-    fold = FlatOptimizer.fold_fp32
-    if fold is None:
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-
-        fold = (getattr(engine, "folds_deferred_gradients", False)
-                or set(getattr(type(engine), "_INSTRUCTION_MAP", {})) <= set(PipelineEngine._INSTRUCTION_MAP))
     return FlatOptimizer(client_optimizer, engine.param_names, dtype=dtype, mpu=engine.mpu,
                          clip_grad=engine.gradient_clipping(), partition_group=group,
-                         allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler, fold=fold)
+                         allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler)
 
 
 def applies(engine, client_optimizer) -> bool:
