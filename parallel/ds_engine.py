@@ -1,9 +1,10 @@
 """The trainer's DeepSpeed pipeline engine: `PipelineEngine` with the trainer's optimizer.
 
 `TrainerEngine` builds parallel/optimizer.py's `FlatOptimizer` (a BF16_Optimizer that takes every
-precision: fp32, bf16 and fp16) in place of the optimizer DeepSpeed would choose (its ZeRO-1
-optimizer in fp32 and fp16, BF16_Optimizer in bf16, the bare client optimizer at ZeRO stage 0),
-by overriding DeepSpeed's `_configure_optimizer`, and runs DeepSpeed's bf16 pipeline paths with it:
+precision: fp32, bf16 and fp16) in place of the optimizer DeepSpeed would choose (at ZeRO stage 1
+its ZeRO optimizer in fp32 and fp16, BF16_Optimizer in bf16; at stage 0 the bare client optimizer
+in fp32, FP16_Optimizer in fp16, and none in bf16 with fp32 accumulation, which it refuses), by
+overriding DeepSpeed's `_configure_optimizer`, and runs DeepSpeed's bf16 pipeline paths with it:
 gradients folded into the flat fp32 buffer after each backward, the tied embedding's gradient
 all-reduced there, the data-parallel reduction over the flat buffers. Every engine the trainer
 builds gets FlatOptimizer: the run config allows ZeRO stage 0 or 1 and no offload, the model has
