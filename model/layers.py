@@ -113,7 +113,8 @@ class MultiheadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None = None,
                 causal: bool = False, cache: dict | None = None, static_kv: bool = False) -> torch.Tensor:
-        """`mask` is boolean, broadcastable to [B, H, Tq, Tk], True where attention is allowed.
+        """`mask` is additive and float, broadcastable to [B, H, Tq, Tk]: 0 where attention is
+        allowed, −∞ where not (model/attention.py).
 
         Incremental decoding passes a `cache` dict (one per attention per layer). Self-attention
         (static_kv=False) appends this step's keys/values ([B, T, d]) to cache['k'/'v'] and attends

@@ -31,6 +31,7 @@ from `TrainerEngine`.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 
 import torch
@@ -88,6 +89,15 @@ class TrainerEngine(MessageIO, PipelineEngine):
     @property
     def flat_optimizer(self) -> bool:
         return isinstance(getattr(self, "optimizer", None), flat.FlatOptimizer)
+
+    def _get_all_zero_checkpoint_names(self, load_dir, tag, bf16_mode):
+        """The optimizer shards of a checkpoint, or None when they were saved in the other precision
+        family: bf16 runs name them `bf16_zero_pp_rank_*`, fp32 and fp16 runs `zero_pp_rank_*`.
+        DeepSpeed's `_get_all_zero_checkpoints` then tries the other family, as it means to; its own
+        version of this method never returns None, so a run resumed in another precision (fp32 →
+        bf16, bf16 → fp16) failed on a missing file."""
+        names = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
+        return names if all(os.path.exists(name) for name in names) else None
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         if not flat.applies(self, client_optimizer):

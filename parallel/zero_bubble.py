@@ -134,10 +134,6 @@ class ZeroBubbleEngine(TrainerEngine):
     into a buffer shared with the next receive) and the last stage's loss.
     """
 
-    folds_deferred_gradients = True
-    """Gradients written by WeightPass are folded into FlatOptimizer's fp32 buffer right after
-    (`_fold`), so fp32 folds too instead of accumulating into the buffer's views."""
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if not self.flat_optimizer and (self.bfloat16_enabled() or self.fp16_enabled()):

@@ -331,15 +331,16 @@ class Trainer:
         log0(f"step {self.step} | preempted by {name}: saved checkpoint {path}; "
              f"exiting with code {signals.PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
         self.summary(time.perf_counter() - (self.started or time.perf_counter()), "stopped",
-                     f"{name}: checkpointed at step {self.step}, to be resumed", signals.PREEMPTED_EXIT_CODE)
+                     f"{name}: checkpointed at step {self.step}, to be resumed", signals.PREEMPTED_EXIT_CODE, show=False)
         torch.distributed.barrier()
         signals.stop.saved = True
         raise SystemExit(signals.PREEMPTED_EXIT_CODE)
 
-    def summary(self, wall: float, state: str, reason: str, code: int) -> dict:
+    def summary(self, wall: float, state: str, reason: str, code: int, show: bool = True) -> dict:
         """How this launch ended (`state`: finished | stopped | diverged | failed, `reason`, the exit
         `code`) with the run's numbers: run_dir/summary.json and an `end |` line in train.log
-        (trainer/run_dir.py `record_ending`, rank 0), and printed. Paths in the file are relative
+        (trainer/run_dir.py `record_ending`, rank 0), and (`show`) printed with train.log's
+        `summary |` lines; a preempted launch's is not: it is to be resumed. Paths in the file are relative
         to the run directory, so that it stays true when the run directory is copied or moved."""
         valid = self.history["valid"]
         tps = self.history["tokens_per_s"]
@@ -358,7 +359,7 @@ class Trainer:
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
                        "data_parallel": self.layout.dp},
         }
-        if self.layout.rank == 0:
+        if self.layout.rank == 0 and show:
             losses = " → ".join(f"{v:.4f}" for v in (summary["first_valid_loss"], summary["last_valid_loss"])
                                 if v is not None) or "none"
             lines = [f"steps {summary['steps']} | valid loss {losses} | target tokens/s "
@@ -372,5 +373,6 @@ class Trainer:
             print("\n== summary ==\n" + "\n".join(lines), flush=True)
             for line in lines:
                 append_log(self.cfg.run_dir, f"summary | {line}")
+        if self.layout.rank == 0:
             summary = record_ending(self.cfg.run_dir, state, reason, code, summary)
         return summary
