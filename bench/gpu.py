@@ -95,7 +95,8 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     from bench.worker import instrument, peak_memory, reset_peak_memory
     from model.flops import training_flops
     from parallel import accelerator, compiled
-    from parallel.engine import build_engine, setup_distributed
+    from parallel.engine import setup_distributed
+    from parallel.parallelize import build_engine
     from parallel.layout import Layout
     from planner import devices
     from trainer.config import RunConfig
@@ -108,9 +109,8 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     cfg.train.micro_batches, cfg.train.warmup_steps, cfg.train.clip_norm = MICRO_BATCHES, 100, 1.0
     layout = Layout.build(cfg.parallel)
     baseline = reset_peak_memory()  # the allocator's on GPUs, the resident set on the host
+    cfg.train.compile = variant == "compiled"  # build_engine compiles the layers as the trainer's (parallelize)
     engine, module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir)
-    if variant == "compiled":
-        compiled.compile_layers(module)
     guard = DivergenceGuard(engine, cfg.train, layout)
     engine.step_loss = lambda: guard.step_loss
     totals, _ = instrument(engine)  # wall seconds by instruction (after a synchronize)

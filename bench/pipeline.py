@@ -88,7 +88,8 @@ def replayed_pipeline(result: dict) -> dict:
     1F1B's backward is one op (B + W); ZB-H1 replays the orders its engine ran (`zb_orders` of a
     rank, tuned to the costs it measured), where a first stage whose W follows each B at once
     computes W inside B."""
-    from parallel.zb_timeline import ORDERS, fixed, simulate, zb_h1_order
+    from parallel.schedules import SCHEDULES
+    from parallel.zb_timeline import fixed, simulate, zb_h1_order
 
     layout = result["layout"]
     pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
@@ -102,7 +103,7 @@ def replayed_pipeline(result: dict) -> dict:
         f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
                    for k in ("ForwardPass", "BackwardPass", "WeightPass"))
         costs.append({"F": f, "B": b, "W": w, "BW": b + w})
-    order = ORDERS[schedule]
+    order = SCHEDULES[schedule].order
     ran = next((rank["zb_orders"] for rank in result["ranks"] if rank.get("zb_orders")), None)
     if schedule == "zb-h1" and ran:
         order = fixed(ran)

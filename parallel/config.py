@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from schema.fields import NonNegative, Positive, Range, Rule, Seed
 
 
@@ -22,6 +23,9 @@ def _partition_method_ok(method: str) -> bool:
         return False
     return True
 
+
+ScheduleName = Annotated[str, Rule(lambda v: v in SCHEDULES, f"must be one of {', '.join(SCHEDULES)} "
+                                  "(parallel/schedules.py)")]
 
 PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
                                       "(a valid regular expression)")]
@@ -51,7 +55,7 @@ class ParallelConfig:
     partition_method: PartitionMethod = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
-    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    schedule: ScheduleName = DEFAULT_SCHEDULE
     """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
     the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
     idle time; any precision, the same numbers as 1f1b; see parallel/zero_bubble.py). `./run.sh

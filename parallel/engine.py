@@ -1,8 +1,7 @@
-"""DeepSpeed set-up: distributed initialisation, the engine config, the pipeline engine."""
+"""DeepSpeed set-up: distributed initialisation, the engine config, the client optimizer and its LR
+schedule (parallel/parallelize.py builds the engine from them)."""
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import random
@@ -13,11 +12,10 @@ from typing import NoReturn
 
 import torch
 
-from model.config import ModelConfig
 from parallel import heartbeat
 from parallel.accelerator import HOST, collective_fault_env, keep_freed_host_memory
 from parallel.config import ParallelConfig, TrainConfig
-from parallel.layout import Layout
+from parallel.precision import precision_of
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -193,12 +191,7 @@ def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_unive
         "train_batch_size": t.micro_batches * p.data_parallel,
         "gradient_clipping": t.clip_norm,
         "zero_optimization": {"stage": p.zero_stage},
-        "bf16": {"enabled": p.precision == "bf16"},
-        # Every precision trains with parallel/optimizer.py's FlatOptimizer (fp32 master weights,
-        # fp32 accumulation); DeepSpeed reads this only when its own optimizers run (A/B runs):
-        # with it bf16 gets BF16_Optimizer (without it ZeRO-1 would accumulate in bf16).
-        "data_types": {"grad_accum_dtype": "fp32" if p.precision == "bf16" else None},
-        "fp16": {"enabled": p.precision == "fp16", "initial_scale_power": 16},
+        **precision_of(p.precision).deepspeed_config(),
         "steps_per_print": 2**31,
         "wall_clock_breakdown": False,
         # DeepSpeed's throughput timer synchronises the device at every micro-batch's forward (a
@@ -247,30 +240,3 @@ def adamw(params, t) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     except RuntimeError:  # no fused kernel for this device or dtype
         return torch.optim.AdamW(params, **kwargs)
-
-
-def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: TrainConfig, run_dir: str,
-                 load_universal: bool = False):
-    """Build this rank's pipeline module on `layout`, the optimizer, the LR schedule and
-    DeepSpeed's engine (parallel/ds_engine.py's TrainerEngine, or its zero-bubble subclass)."""
-    from parallel.ds_engine import TrainerEngine, initialize
-    from parallel.pipeline import TranslationPipe
-    from parallel.tensor import TensorParallel
-
-    tp = None
-    if layout.tp > 1:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[p.precision]
-        tp = TensorParallel.create(layout, dtype)
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
-        module = TranslationPipe(model_cfg, topology=layout.topology, seed=t.seed, partition_method=p.partition_method,
-                                 activation_checkpoint_interval=p.activation_checkpoint_interval, tp=tp)
-    optimizer = adamw(module.parameters(), t)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
-    config = deepspeed_config(p, t, run_dir, load_universal)
-    if p.schedule != "zb-h1":
-        return initialize(module, optimizer, scheduler, config, TrainerEngine), module
-    from parallel.zero_bubble import ZeroBubbleEngine
-
-    engine = initialize(module, optimizer, scheduler, config, ZeroBubbleEngine)
-    engine.max_pending_w = p.pending_bound(p.zb_max_pending_w)
-    return engine, module

@@ -30,7 +30,6 @@ gradient are exactly those of Σ loss / Σ tokens over all micro-batches, as in 
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -43,7 +42,7 @@ from model.flops import layer_costs
 from parallel.compiled import run_layer
 from parallel.partition import stage_bounds
 from parallel.loss import tie_output_weight, tied_output_loss_sum
-from parallel.tensor import TensorParallel, parallelize
+from parallel.tensor import TensorParallel
 
 
 def _build(cfg: ModelConfig, kind: str, index: int, init_seed: int) -> nn.Module:
@@ -141,8 +140,9 @@ class TranslationPipe(PipelineModule):
     """PipelineModule whose layers are partitioned by parallel/partition.py's `stage_bounds`
     (partition_method='cost'): model/flops.py's layer costs, balanced."""
 
-    def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost",
-                 activation_checkpoint_interval: int = 0, tp: TensorParallel | None = None):
+    def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost"):
+        """This rank's stage of the plain model (no parallelism inside: parallel/parallelize.py
+        applies tensor parallelism, recomputation, compilation and the engine)."""
         # Set before PipelineModule.__init__, which calls _partition_layers.
         object.__setattr__(self, "_costs", layer_costs(cfg))
         object.__setattr__(self, "_plan", layer_plan(cfg))
@@ -156,6 +156,7 @@ class TranslationPipe(PipelineModule):
             """The output projection and the loss of the last stage, through the embedding weight
             the last layer tied to its output (this rank's vocabulary slice under tensor parallelism)."""
             target, scale = labels
+            tp = self.tp
             group, size = (tp.group, tp.size) if tp is not None else (None, 1)
             return tied_output_loss_sum(states, target, cfg.pad_id, cfg.label_smoothing, group, size, scale,
                                         self.loss_grad)
@@ -165,7 +166,6 @@ class TranslationPipe(PipelineModule):
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
-            activation_checkpoint_interval=activation_checkpoint_interval,
             checkpointable_layers=["EncoderPipe", "DecoderPipe"],
             # Not DeepSpeed's seed_layers: it reseeds every layer in forward from its index within
             # the checkpointed chunk, so with activation checkpointing all layers of a micro-batch
@@ -174,10 +174,8 @@ class TranslationPipe(PipelineModule):
             seed_layers=False,
             dynamic_shape=True,
         )
-        self.tp = tp
+        self.tp: TensorParallel | None = None  # set by parallel/parallelize.py under tensor parallelism
         self.pad_id = cfg.pad_id
-        if tp is not None:  # the built plain stage, made tensor-parallel by the plan
-            parallelize(self, tp, path_of=functools.partial(plain_name, self._plan))
 
     def forward(self, forward_input: tuple[torch.Tensor, ...]):
         """Run this stage's layers on the flow; convert from/to the stage message at its ends."""

@@ -1,4 +1,4 @@
-"""Per-stage compute orders of 1F1B and ZB-H1 and their timelines (no DeepSpeed import: the
+"""Per-stage compute orders of 1F1B and ZB-H1 (parallel/schedules.py names them) and their timelines (no DeepSpeed import: the
 planner uses them too). Ops are ('F' | 'B' | 'W' | 'BW', micro-batch): forward, input gradient,
 weight gradients, and 1F1B's unsplit backward."""
 from __future__ import annotations
@@ -158,9 +158,6 @@ def fixed(orders: list[list[tuple[str, int]]]) -> Order:
     return lambda _stages, _micro_batches, stage: list(orders[stage])
 
 
-ORDERS: dict[str, Order] = {"1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
-
-
 def _stage_costs(p: int, cost: dict[str, float] | list[dict[str, float]] | None) -> list[dict[str, float]]:
     """One cost dict per stage with F, B, W (unit by default) and BW = B + W unless given."""
     costs = []
@@ -214,14 +211,3 @@ def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict
     if any(position[s] < len(orders[s]) for s in range(p)):
         raise RuntimeError(f"pipeline order deadlocks at pp={p}, m={micro_batches}")
     return timeline
-
-
-def makespan(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
-    """Time from the first forward to the last op of any stage."""
-    return max(ops[-1][1] for ops in simulate(stages, micro_batches, cost, ORDERS[schedule]))
-
-
-def bubble_fraction(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
-    """Idle fraction of a step, 1 − m·(F + B + W) / makespan, all stages costing `cost`."""
-    work = micro_batches * (cost["F"] + cost["B"] + cost["W"])
-    return 1.0 - work / makespan(stages, micro_batches, cost, schedule)

@@ -11,7 +11,8 @@ Three pieces, applied from outside the model:
 
 * `split_weight_gradients(module, store)` (parallel/weight_split.py) gives every weight-bearing
   module of a built stage a forward whose backward returns the input gradient only and hands the
-  weight-gradient work to a `WeightGradStore`.
+  weight-gradient work to a `WeightGradStore` (parallel/parallelize.py applies it for a schedule
+  that `splits_backward`, parallel/schedules.py).
 * `ZeroBubbleH1Schedule`, a DeepSpeed `PipeSchedule` that adds one instruction, `WeightPass`.
 * `ZeroBubbleEngine`, a `PipelineEngine` that runs each BackwardPass while the store collects the
   micro-batch's W work, runs it at WeightPass, and flushes whatever is left into `.grad` before
@@ -52,7 +53,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from parallel import accelerator
 from parallel.ds_engine import TrainerEngine
-from parallel.weight_split import WeightGradStore, matmul_weights, split_weight_gradients
+from parallel.weight_split import matmul_weights
 from parallel.zb_timeline import fixed, simulate, tuned_schedule
 
 
@@ -139,8 +140,11 @@ class ZeroBubbleEngine(TrainerEngine):
         if not self.flat_optimizer and (self.bfloat16_enabled() or self.fp16_enabled()):
             raise ValueError("parallel.schedule=zb-h1 in bf16/fp16 needs the trainer's optimizer (FlatOptimizer): "
                              "DeepSpeed's own copies gradients after each backward, before a deferred W exists")
-        self.weight_grads = WeightGradStore()
-        self.split_modules = split_weight_gradients(self.module, self.weight_grads)
+        split = getattr(self.module, "weight_split", None)
+        if split is None:
+            raise ValueError("ZeroBubbleEngine runs a stage whose weight gradients are split: build it with "
+                             "parallel/parallelize.py (parallel.schedule: zb-h1)")
+        self.weight_grads, self.split_modules = split  # the store and the split modules (parallelize, step 4)
         self._matmul_weights = matmul_weights(self.module)
         self._received_grads: dict[int, object] = {}
         self._losses: dict[int, torch.Tensor] = {}

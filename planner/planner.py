@@ -50,6 +50,7 @@ from parallel.accelerator import HOST
 from parallel.loss import CHUNK_BYTES
 from planner.devices import Device
 from parallel.partition import stage_bounds
+from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
 from planner.zb import weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
 
@@ -90,18 +91,23 @@ class Candidate:
     checkpoint: int = 0
     """Activation checkpoint interval in layers (0 = off)."""
     precision: str = "bf16"
-    schedule: str = "1f1b"
-    """Pipeline schedule: 1f1b | zb-h1 (parallel/zero_bubble.py)."""
+    schedule: str = DEFAULT_SCHEDULE
+    """Pipeline schedule: a name of parallel/schedules.py's SCHEDULES."""
     zb_max_pending: int | None = 0
-    """ZB-H1 only: bound on the W a stage keeps waiting, as parallel.zb_max_pending_w (0:
-    1F1B's memory on every stage; None where the config says -1: no bound, the tuned order)."""
+    """For a schedule that splits its backward: bound on the W a stage keeps waiting, as
+    parallel.zb_max_pending_w (0: 1F1B's memory on every stage; None where the config says -1: no
+    bound, the tuned order)."""
+
+    @property
+    def splits_backward(self) -> bool:
+        return SCHEDULES[self.schedule].splits_backward
 
     @property
     def schedule_name(self) -> str:
-        """The schedule as the config sets it: 1f1b, or zb-h1 with its zb_max_pending_w."""
-        if self.schedule != "zb-h1":
+        """The schedule as the config sets it, with its zb_max_pending_w where that applies."""
+        if not SCHEDULES[self.schedule].pending_bounds:
             return self.schedule
-        return f"zb-h1(w={-1 if self.zb_max_pending is None else self.zb_max_pending})"
+        return f"{self.schedule}(w={-1 if self.zb_max_pending is None else self.zb_max_pending})"
     zero: int = 1
     """parallel.zero_stage: 1 (ZeRO-1) or 0 (the client optimizer on the weights)."""
 
@@ -111,7 +117,7 @@ class Candidate:
 
     def describe(self) -> str:
         ac = f"ac{self.checkpoint}" if self.checkpoint else "no-ac"
-        zb = f" {self.schedule_name}" if self.schedule != "1f1b" else ""
+        zb = f" {self.schedule_name}" if self.schedule != DEFAULT_SCHEDULE else ""
         return (f"pp{self.pp}·tp{self.tp}·dp{self.dp} m={self.micro_batches} "
                 f"mb={self.sequences}×({self.src_len}+{self.tgt_len}) {ac} {self.precision}{zb}")
 
@@ -238,7 +244,7 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
         per_mb = sum(layered) + other
         transient = max(scratch, loss_scratch)
     activations = in_flight * per_mb
-    if layout.schedule == "zb-h1":
+    if layout.splits_backward:
         # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
         # order: `stage` of them, the last stage p − 1; the filled orders one more on the first
         # stage, or a share of one, and the full filled order one more on every stage): the order
@@ -328,7 +334,7 @@ def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency,
     bubble = (layout.pp - 1) * slot
     bubble_fraction = (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)
     zb = None
-    if layout.schedule == "zb-h1":
+    if layout.splits_backward:
         zb = zb_pipeline(cfg, layout, dev, mfu, zb_costs)
         pipeline, bubble_fraction = zb["seconds"], zb["bubble_fraction"]
         bubble = bubble_fraction * pipeline
@@ -399,16 +405,15 @@ def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> P
                 pairs * training_flops(cfg, layout.src_len, layout.tgt_len))
 
 
-ZB_BOUNDS = (0, None)
-"""The bounds of pending W the planner offers with ZB-H1 (parallel.zb_max_pending_w 0 and -1)."""
 
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens: int, seq_len: int,
                       microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None,
-                      schedules: tuple[str, ...] = ("1f1b", "zb-h1")) -> list[Candidate]:
+                      schedules: tuple[str, ...] = tuple(SCHEDULES)) -> list[Candidate]:
     """Every pp × tp × dp = gpus with tp inside a node dividing heads, FFN and vocabulary, every
     micro-batch size, and checkpointing off/every layer; pipelined ones under each of `schedules`
-    (ZB-H1 with each of ZB_BOUNDS). m follows from the global batch."""
+    (parallel/schedules.py; one with pending bounds under each bound it offers), unpipelined ones
+    under the default. m follows from the global batch."""
     n_layers = cfg.encoder_layers + cfg.decoder_layers + 2
     out = []
     for tp in (1, 2, 4, 8):
@@ -424,10 +429,9 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
                 for ckpt in (0, 1):
                     base = Candidate(pp=pp, tp=tp, dp=dp, micro_batches=m, sequences=sequences, src_len=seq_len,
                                      tgt_len=seq_len, checkpoint=ckpt, precision=precision)
-                    if "1f1b" in schedules or pp == 1:
-                        out.append(base)
-                    if "zb-h1" in schedules and pp > 1:
-                        out += [dataclasses.replace(base, schedule="zb-h1", zb_max_pending=bound) for bound in ZB_BOUNDS]
+                    for name in (schedules if pp > 1 else (DEFAULT_SCHEDULE,)):
+                        out += [dataclasses.replace(base, schedule=name, zb_max_pending=bound)
+                                for bound in SCHEDULES[name].pending_bounds or (0,)]
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from model.config import ModelConfig
+from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.devices import Device
 from planner.planner import layer_params
 
@@ -24,7 +25,7 @@ def explain(fits: list, too_big: list, dev: Device) -> list[str]:
                  f"activations {worst['activations'] / gib:.1f}, buffers {worst['buffers'] / gib:.1f}; peak in the "
                  f"{worst['peak_phase']}).")
     t = best.time
-    how = "ZB-H1's simulated order" if lay.schedule == "zb-h1" else "(p−1)/(m+p−1)"
+    how = f"{SCHEDULES[lay.schedule].title}'s simulated order" if lay.splits_backward else "(p−1)/(m+p−1)"
     lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
                  f"({t['bubble_fraction']:.1%} = {how}), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
                  f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
@@ -53,9 +54,9 @@ def schedule_lines(best, plans: list, dev: Device) -> list[str]:
     if lay.pp == 1:
         return []
     by_layout = {p.layout: p for p in plans}
-    one = by_layout.get(dataclasses.replace(lay, schedule="1f1b", zb_max_pending=0))
-    zbs = [p for p in plans if p.layout.schedule == "zb-h1" and p.layout == dataclasses.replace(
-        lay, schedule="zb-h1", zb_max_pending=p.layout.zb_max_pending)]
+    one = by_layout.get(dataclasses.replace(lay, schedule=DEFAULT_SCHEDULE, zb_max_pending=0))
+    zbs = [p for p in plans if p.layout.schedule != DEFAULT_SCHEDULE and p.layout == dataclasses.replace(
+        lay, schedule=p.layout.schedule, zb_max_pending=p.layout.zb_max_pending)]
     if one is None or not zbs:
         return []
     gib, usable = 2**30, dev.usable_bytes()
@@ -66,7 +67,7 @@ def schedule_lines(best, plans: list, dev: Device) -> list[str]:
         parts.append(f"{z.layout.schedule_name} {z.time['total']:.3f} s ({z.time['total'] / t1['total'] - 1:+.1%}, "
                      f"bubble {z.time['bubble_fraction']:.1%}, heaviest stage {z.peak_bytes / gib:.1f} GiB{fits})")
     source = zbs[0].time["zb"]["source"]
-    return [f"- Schedules of this layout: 1f1b {t1['total']:.3f} s per step (bubble {t1['bubble_fraction']:.1%}, "
+    return [f"- Schedules of this layout: {DEFAULT_SCHEDULE} {t1['total']:.3f} s per step (bubble {t1['bubble_fraction']:.1%}, "
             f"heaviest stage {one.peak_bytes / gib:.1f} GiB); " + "; ".join(parts)
             + f". F, B, W per layer kind: {source}."]
 
@@ -126,8 +127,9 @@ def config_snippet(best, dev: Device) -> list[str]:
                            "activation_checkpoint_interval": lay.checkpoint, "precision": lay.precision},
               "data": {"max_tokens": lay.sequences * max(lay.src_len, lay.tgt_len)},
               "train": {"micro_batches": lay.micro_batches}}
-    if lay.schedule != "1f1b":
+    if lay.schedule != DEFAULT_SCHEDULE:
         values["parallel"]["schedule"] = lay.schedule
+    if SCHEDULES[lay.schedule].pending_bounds:
         values["parallel"]["zb_max_pending_w"] = -1 if lay.zb_max_pending is None else lay.zb_max_pending
     nodes = max(1, lay.world // dev.gpus_per_node)
     per_node = lay.world // nodes

@@ -9,7 +9,8 @@ from deepspeed.runtime.pipe import schedule as ds
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer
-from parallel.zb_timeline import (bubble_fraction, filled_order, fixed, one_f_one_b_order, pending_peak,
+from parallel.schedules import bubble_fraction
+from parallel.zb_timeline import (filled_order, fixed, one_f_one_b_order, pending_peak,
                                   schedule_candidates, simulate, tuned_orders, tuned_schedule, with_first_stage_share,
                                   zb_h1_order)
 from parallel.weight_split import WeightGradStore, split_weight_gradients
@@ -320,10 +321,10 @@ def test_measured_bubble_counts_the_wait_inside_the_closing_collectives(schedule
     takes them (a stage that finishes its pipeline work early waits inside the tied-gradient
     all-reduce or the optimizer's norm), equals the schedule's idle fraction."""
     from bench.pipeline import step_bubbles
-    from parallel.zb_timeline import ORDERS
+    from parallel.schedules import SCHEDULES
 
     cost = {"F": 1.0, "B": 1.1, "W": 0.9, "BW": 2.0}
-    timeline = simulate(p, m, cost, ORDERS[schedule])
+    timeline = simulate(p, m, cost, SCHEDULES[schedule].order)
     makespan = max(ops[-1][1] for ops in timeline)
     names = {"F": "ForwardPass", "B": "BackwardPass", "BW": "BackwardPass", "W": "WeightPass"}
     ranks = []

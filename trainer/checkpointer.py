@@ -47,12 +47,18 @@ def note0(run_dir: str, text: str) -> None:
 class Checkpointer:
     """The checkpoints of one run in `<run_dir>/checkpoints`, for the engine and module of this rank."""
 
-    def __init__(self, cfg: RunConfig, layout, engine, module: torch.nn.Module):
+    def __init__(self, cfg: RunConfig, layout, engine=None, module: torch.nn.Module | None = None):
+        """`engine` and `module` may come later (`attach`): whether the engine must be built to
+        load a universal checkpoint (`universal`) is asked before it exists."""
         self.cfg, self.layout, self.engine, self.module = cfg, layout, engine, module
         self.ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
         self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
         self.saved: dict | None = None  # the config of the run's last launch (config.json), as resume found it
         self.max_steps = cfg.train.max_steps  # what this launch trains to (config.json records it)
+
+    def attach(self, engine, module: torch.nn.Module) -> None:
+        """The engine and the module whose checkpoints these are."""
+        self.engine, self.module = engine, module
 
     def universal(self) -> bool:
         """A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another

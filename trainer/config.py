@@ -18,6 +18,7 @@ import yaml
 from data.config import GETTEXT_PREFIX, DataConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
+from parallel.schedules import SCHEDULES
 from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, field_checks, from_dict
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
@@ -312,13 +313,16 @@ def validate(cfg: RunConfig, where: str) -> None:
     if m.max_positions < longest:
         raise ConfigError(f"{where}: model.max_positions={m.max_positions} is below the longest sequence "
                           f"the data allows (data.max_source_len/max_target_len = {longest}); raise it")
-    if p.schedule != "zb-h1" and p.zb_max_pending_w != 0:
+    schedule = SCHEDULES[p.schedule]
+    if not schedule.pending_bounds and p.zb_max_pending_w != 0:
+        takes = ", ".join(s.name for s in SCHEDULES.values() if s.pending_bounds)
         raise ConfigError(f"{where}: parallel.zb_max_pending_w={p.zb_max_pending_w} applies to parallel.schedule: "
-                          f"zb-h1 only (the schedule is {p.schedule}); remove the key or set schedule: zb-h1")
-    if p.schedule == "zb-h1" and t.instrument_interval > 0:
+                          f"{takes} only (the schedule is {p.schedule}); remove the key or set schedule: {takes}")
+    if schedule.splits_backward and t.instrument_interval > 0:
+        keeps = ", ".join(s.name for s in SCHEDULES.values() if not s.splits_backward)
         raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
-                          "accumulation hooks, which zb-h1's deferred weight gradients bypass; set it to 0 "
-                          "or use parallel.schedule: 1f1b")
+                          f"accumulation hooks, which {p.schedule}'s deferred weight gradients bypass; set it to 0 "
+                          f"or use parallel.schedule: {keeps}")
     n_layers = m.encoder_layers + m.decoder_layers
     if p.pipeline_stages > n_layers:
         raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the model's "

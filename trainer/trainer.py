@@ -20,7 +20,6 @@ import torch
 
 from model.norms import set_training_step, step_blocks
 from parallel import accelerator, heartbeat, manifest, rng
-from parallel.compiled import compile_enabled, compile_layers
 from parallel.compiled import summary as compiled_summary
 from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer, log0
@@ -74,7 +73,8 @@ class Trainer:
     def __init__(self, cfg: RunConfig, max_steps: int | None = None):
         from data.batching import BatchStream, PairDataset
         from data.prepare import load_manifest
-        from parallel.engine import build_engine, setup_distributed
+        from parallel.engine import setup_distributed
+        from parallel.parallelize import build_engine
         from parallel.layout import Layout
 
         signals.install_rank_handlers(cfg.train.stop_grace_seconds)
@@ -92,15 +92,15 @@ class Trainer:
         data_manifest = load_manifest(self.data_dir)
         cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
         layout = self.layout
-        universal = Checkpointer(cfg, layout, None, None).universal()
+        self.checkpoints = Checkpointer(cfg, layout)
         self.engine, self.module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir,
-                                                load_universal=universal)
-        self.compiled = compile_enabled(cfg.train.compile)
-        if self.compiled:  # before any forward: the engine's hooks and the checkpoints see the same modules
-            layers = compile_layers(self.module)
-            log0(f"compiling {', '.join(f'{n} {kind} layers' for kind, n in sorted(layers.items()))} on first use "
-                 f"(train.compile={cfg.train.compile}; the first step takes longer, one graph per layer kind)")
-        self.checkpoints = Checkpointer(cfg, layout, self.engine, self.module)
+                                                load_universal=self.checkpoints.universal())
+        self.checkpoints.attach(self.engine, self.module)
+        self.compiled = bool(self.engine.compiled_layers)
+        if self.compiled:
+            log0(f"compiling {', '.join(f'{n} {kind} layers' for kind, n in sorted(self.engine.compiled_layers.items()))} "
+                 f"on first use (train.compile={cfg.train.compile}; the first step takes longer, one graph per layer "
+                 "kind)")
         self.ckpt_dir = self.checkpoints.ckpt_dir
         self.guard = DivergenceGuard(self.engine, cfg.train, layout)
         self.engine.step_loss = self._decided_loss
