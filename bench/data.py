@@ -86,24 +86,17 @@ def _step_seconds(cfg, batches: list[dict], steps: int) -> float:
     pipeline stages together (training ranks run with one thread each)."""
     import torch
 
-    from model.transformer import EncoderDecoder, smoothed_loss_sum
+    from model.step import plain_step
+    from model.transformer import EncoderDecoder
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = EncoderDecoder(cfg.model, seed=cfg.train.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=cfg.train.adam_betas)
-    total = sum(b["ntokens"] for b in batches)
     times = []
     for _ in range(steps + 1):  # the first step warms up allocators and kernels
         start = time.process_time()
-        for b in batches:
-            logits = model(b["src"], b["tgt_in"])
-            loss = smoothed_loss_sum(logits, b["tgt_out"], cfg.model.pad_id,
-                                     cfg.model.label_smoothing) / total
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        plain_step(model, batches, optimizer, clip_norm=1.0)
         times.append(time.process_time() - start)
     return float(np.median(times[1:]))
 

@@ -4,15 +4,15 @@ interleaved in one process.
     ./run.sh bench model [--model tiny-100-100,base-6-6] [--batch 32 --src 32 --tgt 32]
                          [--warmup 2] [--steps 8] [--threads 1] [--against REV] [--out DIR]
 
-Per named shape (configs/<name>.yaml's model, its dropout as configured): the plain
-`EncoderDecoder` trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens
-(forward, label-smoothed loss, backward, global-norm clipping at 1, fused AdamW), fp32 on
-`--threads` threads. Two models with the same weights, "eager" and "compiled" (every encoder and
-decoder layer compiled as train.compile does, parallel/compiled.py; the compilation happens in the
-warm-up steps), take steps in turn (A, B, A, B, ...), so both see the same load; CPU seconds per
-step (`time.process_time`, steadier than wall time on a shared machine), median over the measured
-steps, target tokens per CPU-second and the ratio. Then the same at dropout 0 (the variants differ
-only in the compiler's summation order, so their losses agree to rounding), with the largest
+Per named shape (configs/<name>.yaml's model, its dropout as configured): the plain `EncoderDecoder`
+trained on one fixed synthetic batch of `--batch` × (`--src` + `--tgt`) tokens (model/step.py:
+forward, label-smoothed loss over the target tokens, backward, global-norm clipping at 1, fused
+AdamW), fp32 on `--threads` threads. Two models with the same weights, "eager" and "compiled" (every
+encoder and decoder layer compiled as train.compile does, parallel/compiled.py; the compilation
+happens in the warm-up steps), take steps in turn (A, B, A, B, ...), so both see the same load; CPU
+seconds per step (`time.process_time`, steadier than wall time on a shared machine), median over the
+measured steps, target tokens per CPU-second and the ratio. Then the same at dropout 0 (the variants
+differ only in the compiler's summation order, so their losses agree to rounding), with the largest
 relative difference of their losses.
 
 `--against REV` adds a third variant: the `model` package as of git revision REV of this
@@ -102,17 +102,13 @@ def _old_config(transformer, cfg):
 
 
 def _step(model, optimizer, batch, cfg, loss_sum=None) -> float:
-    import torch
-
+    """One plain training step (model/step.py) on `batch`, clipped at 1; its loss. `cfg` is the
+    model's own config (unused: the step reads it from the model); `loss_sum`: the model
+    package's own loss (another commit's)."""
+    from model.step import plain_step
     from model.transformer import smoothed_loss_sum
 
-    logits = model(batch["src"], batch["tgt_in"])
-    loss = (loss_sum or smoothed_loss_sum)(logits, batch["tgt_out"], cfg.pad_id, cfg.label_smoothing)
-    (loss / batch["tgt_out"].numel()).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(loss.detach())
+    return plain_step(model, [batch], optimizer, clip_norm=1.0, loss_sum=loss_sum or smoothed_loss_sum).loss
 
 
 def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:

@@ -185,30 +185,15 @@ class PlainTwin:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, inverse_sqrt(t.warmup_steps))
 
     def step(self, batches: list[dict], total_tokens: int) -> dict[str, float]:
-        """One step on `batches` (this rank's micro-batches); CPU seconds by part."""
-        from model.transformer import smoothed_loss_sum
+        """One step on `batches` (this rank's micro-batches of a global batch of `total_tokens`
+        target tokens); CPU seconds by part."""
+        from model.step import plain_step
 
-        m = self.cfg.model
-        clock = time.process_time
-        parts = dict.fromkeys(("data", "forward", "backward", "clipping", "optimizer", "bookkeeping"), 0.0)
-        for b in batches:
-            start = clock()
-            loss = smoothed_loss_sum(self.model(b["src"], b["tgt_in"]), b["tgt_out"], m.pad_id,
-                                     m.label_smoothing) / max(total_tokens, 1)
-            parts["forward"] += clock() - start
-            start = clock()
-            loss.backward()
-            parts["backward"] += clock() - start
-        start = clock()
-        if self.cfg.train.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.clip_norm)
-        parts["clipping"] += clock() - start
-        start = clock()
-        self.optimizer.step()
-        self.schedule.step()
-        self.optimizer.zero_grad()
-        parts["optimizer"] += clock() - start
-        return parts
+        clip = self.cfg.train.clip_norm
+        done = plain_step(self.model, batches, self.optimizer, tokens=total_tokens, scheduler=self.schedule,
+                          clip_norm=clip if clip > 0 else None, clock=time.process_time)
+        return {**dict.fromkeys(("data", "forward", "backward", "clipping", "optimizer", "bookkeeping"), 0.0),
+                **done.seconds}
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

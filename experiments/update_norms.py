@@ -45,6 +45,7 @@ from data.config import DataConfig
 from model.config import ModelConfig
 from model.instruments import OutputCapture, ProbeMonitor
 from model.norms import set_training_step, step_blocks
+from model.step import plain_step
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 
 DEPTHS = (6, 18, 50, 100)
@@ -186,6 +187,11 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
     frozen = copy.deepcopy(model) if step_blocks(model) else None
     schedule = ProbeMonitor(frozen, probe, cfg.pad_id) if frozen is not None else None
     rows, status, diverged_at = [], "trains", None
+    norms = []
+
+    def gradient_norm():  # the step's, before the update (no clipping)
+        norms.append(math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None)))
+
     dev = _dev_subset(dev_all) if spec.eval_every else []
     for step in range(spec.steps + 1):
         row = {"step": step}
@@ -195,13 +201,9 @@ def run_one(spec: Spec, data_dir: str, vocab: int) -> dict:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, spec.warmup, peak)
             with monitor.gradients() as grads:
-                loss = smoothed_loss_sum(model(batch["src"], batch["tgt_in"]), batch["tgt_out"], 0, 0.1)
-                loss = loss / batch["ntokens"]
-                loss.backward()
-            grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            row.update(loss=float(loss.detach()), grad_norm=grad_norm, lr=lr_at(step, spec.warmup, peak))
+                done = plain_step(model, [batch], opt, after_backward=gradient_norm)
+            grad_norm = norms[-1]
+            row.update(loss=done.loss, grad_norm=grad_norm, lr=lr_at(step, spec.warmup, peak))
             row.update(_layer_summary(grads.result(), spec.depth, "layer_grad"))
             if not (math.isfinite(row["loss"]) and math.isfinite(grad_norm)):
                 status, diverged_at = "diverged", step

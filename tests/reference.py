@@ -1,9 +1,10 @@
 """The single-process reference the parallel runs are compared with, and the comparisons.
 
-`reference_run` applies exactly the trainer's recipe with plain PyTorch: the same batch stream,
-the token-weighted label-smoothed loss over the global batch, AdamW, inverse-sqrt LR, global-norm
-clipping by torch.nn.utils.clip_grad_norm_, BranchNorm's step counter; optionally the stability
-instruments of model/instruments.py, and dropout drawn the way a pipeline draws it.
+`reference_run` applies exactly the trainer's recipe with plain PyTorch (model/step.py's
+`plain_step`): the same batch stream, the token-weighted label-smoothed loss over the global batch,
+AdamW, inverse-sqrt LR, global-norm clipping by torch.nn.utils.clip_grad_norm_, BranchNorm's step
+counter; optionally the stability instruments of model/instruments.py, and dropout drawn the way
+a pipeline draws it.
 
 Dropout in a pipeline: each stage's rank draws from its own stream (parallel/rng.py
 `seed_dropout(seed, stage, replica)`), layer after layer, micro-batch after micro-batch
@@ -26,7 +27,8 @@ from data.batching import BatchStream, PairDataset, eval_batches
 from data.prepare import load_manifest
 from model.layers import padding_mask, split_fused_projections
 from model.norms import set_training_step
-from model.transformer import EncoderDecoder, layer_plan, smoothed_loss_sum
+from model.step import plain_step
+from model.transformer import EncoderDecoder, layer_plan
 from parallel.engine import inverse_sqrt
 from parallel.rng import seed_dropout
 from parallel.tensor import merge_shards
@@ -106,30 +108,23 @@ def reference_run(cfg, steps: int, *, instruments: bool = False, stage_bounds: l
         first = monitor.measure()
         out.update(delta_f=[first["delta_f"]], ln_input=[first["ln_input"]], layer_grad=[None])
     streams = StageStreams(t.seed, len(stage_bounds) - 1) if stage_bounds else None
+
+    def record_gradients():  # the step's gradients before clipping
+        grads = split_fused_projections({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        out["k_bias_grad"].append(max(float(g.abs().max()) for n, g in grads.items() if n.endswith("k_proj.bias")))
+        out["grad_max"].append(max(float(g.abs().max()) for g in grads.values()))
+
+    forward = (lambda src, tgt_in: staged_forward(model, stage_bounds, streams, src, tgt_in)) if streams else None
     for step in range(steps):
         set_training_step(model, step)
         batches = stream.next_step(m)
-        total = sum(int(b["ntokens"]) for b in batches)
-        step_loss = 0.0
         with monitor.gradients() if monitor else contextlib.nullcontext() as grads:
-            for b in batches:
-                logits = (staged_forward(model, stage_bounds, streams, b["src"], b["tgt_in"]) if streams
-                          else model(b["src"], b["tgt_in"]))
-                loss = smoothed_loss_sum(logits, b["tgt_out"], cfg.model.pad_id, cfg.model.label_smoothing) / total
-                loss.backward()
-                step_loss += loss.item()
-        step_grads = split_fused_projections({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-        out["k_bias_grad"].append(max(float(g.abs().max()) for n, g in step_grads.items() if n.endswith("k_proj.bias")))
-        out["grad_max"].append(max(float(g.abs().max()) for g in step_grads.values()))
-        clip = t.clip_norm if t.clip_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        out["lr"].append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+            done = plain_step(model, batches, opt, scheduler=sched, forward=forward, after_backward=record_gradients,
+                              clip_norm=t.clip_norm if t.clip_norm > 0 else float("inf"))
         set_training_step(model, step + 1)
-        out["loss"].append(step_loss)
-        out["grad_norm"].append(norm.item())
+        out["lr"].append(done.lr)
+        out["loss"].append(done.loss)
+        out["grad_norm"].append(done.grad_norm.item())
         if monitor:
             measured = monitor.measure()
             out["delta_f"].append(measured["delta_f"])

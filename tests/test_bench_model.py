@@ -67,3 +67,34 @@ def test_against_a_bad_revision_says_what_to_do(repo, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: --against no-such-revision: not a commit" in err and "Traceback" not in err
     assert not os.listdir(tmp_path)
+
+
+def test_the_plain_step_averages_over_target_tokens_not_padding():
+    """model/step.py: the loss is Σ over non-pad targets / their count, so padding rows change
+    neither the loss nor the update (bench model divided by every target position, padding too)."""
+    from model.step import plain_step, target_tokens
+    from model.transformer import EncoderDecoder, smoothed_loss_sum
+
+    cfg = dataclasses.replace(named_model("slurm-tiny"), dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    tokens = torch.randint(4, cfg.vocab_size, (3, 13), generator=torch.Generator().manual_seed(0))
+    batch = {"src": tokens[:, :6].contiguous(), "tgt_in": tokens[:, 6:-1].contiguous(), "tgt_out": tokens[:, 7:].contiguous()}
+    padded = {k: v.clone() for k, v in batch.items()}
+    padded["tgt_out"][0, 4:] = cfg.pad_id  # a shorter first target
+    padded["tgt_in"][0, 5:] = cfg.pad_id
+    assert target_tokens([padded], cfg.pad_id) == 3 * 6 - 2
+    model = EncoderDecoder(cfg, seed=1).train()
+    with torch.no_grad():
+        expected = float(smoothed_loss_sum(model(padded["src"], padded["tgt_in"]), padded["tgt_out"], cfg.pad_id,
+                                           cfg.label_smoothing)) / 16
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    done = plain_step(model, [padded], optimizer, clip_norm=float("inf"),
+                      after_backward=lambda: seen.append(model.embed.weight.grad.clone()))
+    assert done.loss == pytest.approx(expected, rel=1e-6) and done.lr == 0.1
+    assert done.grad_norm > 0 and all(p.grad is None for p in model.parameters())
+    # two micro-batches over the tokens of both: the same gradient as one batch of their rows
+    again = EncoderDecoder(cfg, seed=1).train()
+    halves = [{k: v[:1] for k, v in padded.items()}, {k: v[1:] for k, v in padded.items()}]
+    plain_step(again, halves, torch.optim.SGD(again.parameters(), lr=0.1),
+               after_backward=lambda: seen.append(again.embed.weight.grad.clone()))
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-5, atol=1e-7)
