@@ -263,5 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What ./run.sh bench reads (launcher/commands/bench.py): `bench train` on a machine with a GPU.
+from launcher.commands.bench import Bench  # noqa: E402
+
+BENCH = Bench(name="train", gpu=True, help="the paper's shapes in bf16 on a GPU", paths=("--out",))
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -41,6 +41,10 @@ import tarfile
 import tempfile
 import time
 
+from launcher.commands.bench import Bench
+
+BENCH = Bench(name="model", help="the plain model's training step, eager against compiled, or against another "
+              "commit's model, steps interleaved", paths=("--out",))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = ("eager", "compiled")

@@ -451,5 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# What ./run.sh bench reads (launcher/commands/bench.py).
+from launcher.commands.bench import Bench  # noqa: E402
+
+BENCH = Bench(name="ops", help="kernel operations per layer and per step, host syncs, graph breaks and compilations: "
+              "what predicts a GPU step's host time", config=0, paths=("--out",))
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,8 +27,10 @@ import subprocess
 import sys
 import time
 
+from launcher.commands.bench import Bench
 
-
+BENCH = Bench(name="schedules", help="1F1B vs ZB-H1, steps interleaved in one launch", config=0, paths=("--out",),
+              launches=True)
 OUT = "runs/bench-schedules"
 
 

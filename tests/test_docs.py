@@ -336,8 +336,8 @@ def cli_main(argv):
 def sub_mains(command: str, name: str) -> list:
     """The `main` functions behind `./run.sh bench NAME` / `./run.sh experiment NAME`."""
     if command == "bench":
-        from launcher.commands.bench import TARGETS
-        modules = ["bench.layouts", "bench.gpu"] if name == "train" else [TARGETS[name]]
+        from launcher.commands.bench import modules as bench_modules
+        modules = bench_modules(name)
     else:
         from launcher.commands.experiment import EXPERIMENTS
         modules = [EXPERIMENTS[name]]
@@ -625,14 +625,14 @@ def test_every_module_and_config_key_exists(scan):
 @pytest.fixture(scope="module")
 def cli_options() -> set[str]:
     from launcher.cli import commands
-    from launcher.commands.bench import TARGETS
+    from launcher.commands.bench import names as bench_names
     from launcher.commands.experiment import EXPERIMENTS
 
     found = set()
     for name in commands():
         parser, _, _ = run_parser(cli_main, [name.replace("_", "-"), "--help"])
         found |= options(parser)
-    for command, names in (("bench", TARGETS), ("experiment", EXPERIMENTS)):
+    for command, names in (("bench", bench_names()), ("experiment", EXPERIMENTS)):
         for name in names:
             for main in sub_mains(command, name):
                 found |= options(run_parser(main, ["--help"])[0])

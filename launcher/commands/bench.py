@@ -1,47 +1,166 @@
-"""./run.sh bench TARGET [ARGS]: `data` (data pipeline throughput) or `train` (layouts grid).
+"""./run.sh bench NAME [ARGS]: the benchmarks of bench/.
+
+Each benchmark is one module of bench/ that declares itself at top level,
+
+    BENCH = Bench(name="data", help="preparation and loader throughput", config="--config",
+                  paths=("--corpus", "--out"))
+
+and has an entry point (`main(argv) -> int`, or the function `entry` names); the modules are
+discovered, so adding a benchmark touches no other file. The declarations are read from the
+modules' source (literal values only), not imported: bench/ sits above the launcher
+(tests/test_imports.py) and some benchmarks load torch when imported, which ./run.sh does not pay
+for; the chosen benchmark's module is imported by name when it runs.
 
 Before a benchmark that reads a run config starts, its config gets the checks of the command it
-measures (`bench train` and `bench schedules` prepare data and launch ranks: those of ./run.sh
-train), `--set KEY=VALUE` applies to it, and paths in ARGS are the caller's (launcher/options.py)."""
+measures (one that `launches` prepares data and starts ranks: the checks of ./run.sh train),
+`--set KEY=VALUE` applies to it, and paths in ARGS are the caller's (launcher/options.py)."""
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import dataclasses
+import functools
 import importlib
 import json
 import os
+import pkgutil
 import tempfile
 
-from launcher.launch import DEFAULT_CONFIG, ROOT
+from launcher.launch import ROOT
 from launcher.options import user_path
 from trainer.config import ConfigError
 
-HELP = "benchmarks: 'bench data' (preparation and loader throughput), 'bench train' (layout grid on CPU; the paper's shapes in bf16 on a GPU), 'bench schedules' (1F1B vs ZB-H1, steps interleaved in one launch), 'bench startup' (launch to first step of one pipeline stage), 'bench model' (the plain model's training step, eager against compiled, or against another commit's model, steps interleaved), 'bench ops' (kernel operations per layer and per step, host syncs, graph breaks and compilations: what predicts a GPU step's host time); --set KEY=VALUE changes the config of data, train, schedules, startup and ops"
+PACKAGE = "bench"
+FOLDER = os.path.join(ROOT, PACKAGE)
+SWITCHES = {"-h", "--help"}  # flags of every benchmark that take no value
 
-TARGETS = {"data": "bench.data", "train": "bench.layouts", "schedules": "bench.schedules", "startup": "bench.startup",
-           "model": "bench.model", "ops": "bench.ops"}
 
-# The benchmarks that read a run config: where they take it (a flag, or 0: the first positional
-# argument) and their default.
-CONFIGS = {"data": ("--config", DEFAULT_CONFIG), "train": (0, DEFAULT_CONFIG), "schedules": (0, DEFAULT_CONFIG),
-           "ops": (0, DEFAULT_CONFIG),
-           "startup": ("--config", os.path.join(ROOT, "configs", "deepnet-500-500.yaml"))}
-LAUNCHES = {"train", "schedules"}  # prepare the config's data into its run_dir and start ranks
-PATH_FLAGS = {"data": {"--corpus", "--out"}, "train": {"--grid", "--out", "--work-dir"}, "schedules": {"--out"},
-              "model": {"--out"}, "ops": {"--out"}}
-SWITCHES = {"-h", "--help", "--profile"}  # flags of the benchmarks that take no value
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """What a benchmark module declares as `BENCH = Bench(...)` (literal values only)."""
+
+    name: str
+    """./run.sh bench NAME."""
+    help: str
+    """One line for ./run.sh's help."""
+    config: str | int | None = None
+    """Where it takes a run config: a flag ("--config") or 0, its first positional argument; None:
+    it reads none (then --set is refused)."""
+    default_config: str = "configs/default.yaml"
+    """The run config it reads when none is given, relative to the repository root."""
+    config_in: tuple[str, ...] = ()
+    """Flags whose file names the run config instead: given without the config, nothing is checked
+    before the benchmark starts and --set is refused."""
+    paths: tuple[str, ...] = ()
+    """Flags whose value is a path (resolved from the caller's folder)."""
+    switches: tuple[str, ...] = ()
+    """Flags that take no value (besides -h and --help)."""
+    launches: bool = False
+    """It prepares the config's data into its run_dir and starts ranks: ./run.sh train's checks."""
+    gpu: bool = False
+    """It serves `bench NAME` where a GPU is available, in place of the module that declares the
+    same name without `gpu`."""
+    entry: str = "main"
+    """Its function that takes the argument list and returns the exit code."""
+
+    def __post_init__(self):
+        for name in ("config_in", "paths", "switches"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
+def declaration(path: str) -> Bench | None:
+    """The `BENCH = Bench(...)` a module's source makes at top level, or None."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if "BENCH" not in text:
+        return None
+    for node in ast.parse(text, path).body:
+        if not (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["BENCH"]):
+            continue
+        where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+        call = node.value
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Bench"):
+            raise ValueError(f"{where}: BENCH must be Bench(...)")
+        try:
+            return Bench(*[ast.literal_eval(a) for a in call.args],
+                         **{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+        except ValueError:
+            raise ValueError(f"{where}: Bench(...) takes literal values only (./run.sh reads them without "
+                             "importing the module)") from None
+    return None
+
+
+def benches() -> dict[str, Bench]:
+    """Module name → its declaration, for every module of bench/ that declares a benchmark."""
+    return declared(FOLDER)
+
+
+@functools.cache
+def declared(folder: str) -> dict[str, Bench]:
+    """Module name → its declaration, for every module of `folder` that declares a benchmark."""
+    found, seen = {}, {}
+    for _, module, is_package in pkgutil.iter_modules([folder]):
+        bench = None if is_package else declaration(os.path.join(folder, f"{module}.py"))
+        if bench is None:
+            continue
+        other = seen.setdefault((bench.name, bench.gpu), module)
+        if other != module:
+            raise ValueError(f"{PACKAGE}/{other}.py and {PACKAGE}/{module}.py both declare bench {bench.name}"
+                             f"{' on GPUs' if bench.gpu else ''}")
+        found[module] = bench
+    return found
+
+
+def names() -> list[str]:
+    return sorted({bench.name for bench in benches().values()})
+
+
+def modules(name: str) -> list[str]:
+    """The modules behind `bench NAME`, the one for CPUs first."""
+    found = sorted((bench.gpu, module) for module, bench in benches().items() if bench.name == name)
+    return [f"{PACKAGE}.{module}" for _, module in found]
+
+
+def serving(name: str, gpu: bool = False) -> tuple[str, Bench]:
+    """(module, declaration) that runs `bench NAME`, on a machine with a GPU or without."""
+    found = {bench.gpu: (module, bench) for module, bench in benches().items() if bench.name == name}
+    return found[gpu] if gpu in found else next(iter(found.values()))
+
+
+def _listed(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)
+
+
+def help_text() -> str:
+    parts = {}
+    for bench in sorted(benches().values(), key=lambda b: (b.name, b.gpu)):
+        parts.setdefault(bench.name, []).append(bench.help)
+    configs = sorted({b.name for b in benches().values() if b.config is not None})
+    text = "benchmarks: " + ", ".join(f"'bench {name}' ({'; '.join(helps)})" for name, helps in parts.items())
+    return text + (f"; --set KEY=VALUE changes the config of {_listed(configs)}" if configs else "")
+
+
+def __getattr__(name: str):
+    if name == "HELP":  # read when asked: importing this module for `Bench` reads no benchmark
+        return help_text()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", choices=sorted(TARGETS))
+    parser.add_argument("target", choices=names())
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the benchmark (--help)")
 
 
-def split_arguments(target: str, argv: list[str]) -> tuple[list[str], list[str], int | None]:
+def split_arguments(target: str, argv: list[str],
+                    bench: Bench | None = None) -> tuple[list[str], list[str], int | None]:
     """(the benchmark's arguments with its path arguments resolved from the caller's folder, the
-    --set items taken out of them, the index of the config path among them or None)."""
-    where = CONFIGS.get(target, (None,))[0]
-    paths = PATH_FLAGS.get(target, set()) | ({where} if isinstance(where, str) else set())
+    --set items taken out of them, the index of the config path among them or None); `bench`:
+    the declaration that reads them (default: the one of `bench TARGET` on CPUs)."""
+    bench = bench or serving(target)[1]
+    where = bench.config
+    paths = set(bench.paths) | ({where} if isinstance(where, str) else set())
+    switches = SWITCHES | set(bench.switches)
     out, sets, config_at, positional, i = [], [], None, 0, 0
     while i < len(argv):
         word = argv[i]
@@ -60,11 +179,11 @@ def split_arguments(target: str, argv: list[str]) -> tuple[list[str], list[str],
                 config_at = len(out) - 1
         elif word.startswith("-"):
             out.append(word)
-            if not eq and flag not in SWITCHES and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            if not eq and flag not in switches and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
                 out.append(argv[i + 1])
                 i += 1
         else:
-            if where == positional and target in CONFIGS:
+            if where == positional:
                 out.append(user_path(word))
                 config_at = len(out) - 1
             else:
@@ -74,8 +193,8 @@ def split_arguments(target: str, argv: list[str]) -> tuple[list[str], list[str],
     return out, sets, config_at
 
 
-def check(target: str, argv: list[str], config: str, sets: list[str]):
-    """The config of `target` loaded with `sets`, and the checks of what the benchmark does with it."""
+def check(bench: Bench, argv: list[str], config: str, sets: list[str]):
+    """The config of `bench` loaded with `sets`, and the checks of what the benchmark does with it."""
     from data.prepare import check_corpus
     from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
     from trainer.config import load_config
@@ -84,7 +203,7 @@ def check(target: str, argv: list[str], config: str, sets: list[str]):
     out = next((argv[k + 1] for k, word in enumerate(argv[:-1]) if word == "--out"), None)
     if out is not None:
         check_writable_folder(out, "--out")
-    if target in LAUNCHES:
+    if bench.launches:
         check_run_dir(cfg, config)
         check_resume(cfg, config)
         check_device(cfg, config)
@@ -108,30 +227,33 @@ def resolved(cfg, source: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallel import accelerator
+    gpu = False
+    if len(modules(args.target)) > 1:  # one serves GPUs
+        from parallel import accelerator
 
-    module = TARGETS[args.target]
-    if args.target == "train" and accelerator.gpu_available():
-        module = "bench.gpu"  # the paper's shapes on one GPU, in bf16
-    argv, sets, config_at = split_arguments(args.target, args.args)
+        gpu = accelerator.gpu_available()
+    module, bench = serving(args.target, gpu)
+    argv, sets, config_at = split_arguments(args.target, args.args, bench)
     asks_help = any(word in ("-h", "--help") for word in argv)
     with contextlib.ExitStack() as stack:
-        if args.target in CONFIGS and module != "bench.gpu" and not asks_help:
-            where, default = CONFIGS[args.target]
-            grid_config = args.target == "train" and config_at is None and "--grid" in argv
-            if grid_config and sets:
-                raise ConfigError("bench train --grid: give the config on the command line too, so that --set "
-                                  "applies to it")
-            if not grid_config:
-                config = argv[config_at] if config_at is not None else default
-                cfg = check(args.target, argv, config, sets)
+        if bench.config is not None and not asks_help:
+            given_in = next((flag for flag in bench.config_in if flag in argv), None) if config_at is None else None
+            if given_in and sets:
+                raise ConfigError(f"bench {args.target} {given_in}: give the config on the command line too, so "
+                                  "that --set applies to it")
+            if not given_in:
+                config = argv[config_at] if config_at is not None else os.path.join(ROOT, bench.default_config)
+                cfg = check(bench, argv, config, sets)
                 if sets:
                     path = stack.enter_context(resolved(cfg, config))
                     if config_at is not None:
                         argv[config_at] = path
                     else:
+                        where = bench.config
                         argv = [path, *argv] if where == 0 else [*argv, where, path]
         elif sets:
-            raise ConfigError(f"--set: {module} reads no run config; --set applies to bench "
-                              f"{', '.join(CONFIGS)} (on CPUs)")
-        return importlib.import_module(module).main(argv)
+            configs = sorted({b.name for b in benches().values() if b.config is not None})
+            raise ConfigError(f"--set: {PACKAGE}.{module} reads no run config; --set applies to bench "
+                              f"{', '.join(configs)} (on CPUs)")
+        # The benchmark, imported by name as it starts (nothing of bench/ is imported before).
+        return getattr(importlib.import_module(f"{PACKAGE}.{module}"), bench.entry)(argv)
