@@ -26,7 +26,7 @@ def check_device(cfg: RunConfig, where: str) -> None:
     """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a CPU
     without AVX512-FP16, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
     device's memory. The accelerator is asked, not guessed from names."""
-    import torch
+    from parallel.precision import PRECISIONS, precision_of
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -40,13 +40,10 @@ def check_device(cfg: RunConfig, where: str) -> None:
                           f"of training state per rank, more than the {have / 2**30:,.1f} GiB of this "
                           f"{accelerator.device_name()} accelerator; make it smaller (model.d_model, "
                           "model.*_layers, data.vocab_size) or raise parallel.pipeline_stages / tensor_parallel")
-    if cfg.parallel.precision == "fp32":
+    if not precision_of(cfg.parallel.precision).low:
         return
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.parallel.precision]
-    if dtype not in accelerator.supported_dtypes():
-        other = "bf16" if cfg.parallel.precision == "fp16" else "fp16"
-        usable = ", ".join(x for x, dt in (("fp32", torch.float32), (other, {"bf16": torch.bfloat16,
-                           "fp16": torch.float16}[other])) if dt in accelerator.supported_dtypes())
+    if precision_of(cfg.parallel.precision).dtype not in accelerator.supported_dtypes():
+        usable = ", ".join(name for name, p in PRECISIONS.items() if p.dtype in accelerator.supported_dtypes())
         raise ConfigError(f"{where}: parallel.precision={cfg.parallel.precision} is not supported by this "
                           f"{accelerator.device_name()} accelerator; use {usable}")
 

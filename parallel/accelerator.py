@@ -207,12 +207,11 @@ def memory_allocated() -> int:
 
 def supports(precision: str) -> bool:
     """Whether the accelerator trains in `precision` (fp32 | bf16 | fp16); DeepSpeed's own answer."""
-    import torch
-
     from deepspeed.accelerator import get_accelerator
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    return dtype in get_accelerator().supported_dtypes()
+    from parallel.precision import precision_of
+
+    return precision_of(precision).dtype in get_accelerator().supported_dtypes()
 
 
 def versions() -> dict[str, str]:

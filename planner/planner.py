@@ -50,6 +50,7 @@ from parallel.accelerator import HOST
 from parallel.loss import CHUNK_BYTES
 from planner.devices import Device
 from parallel.partition import stage_bounds
+from parallel.precision import PRECISIONS
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
 from planner.zb import weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
@@ -133,7 +134,7 @@ STATE_BYTES = {
     # bf16 weights + fp32 accumulation buffer | bf16 grads | master + m, v | — | Adam temporary
     "bf16": (6, 2, 12, 0, 4),
 }
-ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+ELEMENT_BYTES = {name: p.element_bytes for name, p in PRECISIONS.items()}
 
 
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
