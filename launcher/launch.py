@@ -21,9 +21,11 @@ def launch_env(world_size: int) -> dict:
 
 def deepspeed_command(world_size: int, module: str, module_args: list[str]) -> list[str]:
     """`deepspeed --num_gpus N --module MODULE ARGS` on this node (no hostfile → local ranks only);
-    the ranks run `python -m MODULE` with the repository on PYTHONPATH (`launch_env`)."""
+    the ranks run `python -m MODULE` with the repository on PYTHONPATH (`launch_env`). Its own log
+    only at `critical`: it reports every rank that exits non-zero at `error` ("… exits with return
+    code = 75" after a clean preemption), which the supervisor says itself (launcher/procs.py)."""
     from parallel.engine import free_port
 
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     return [launcher, "--num_gpus", str(world_size), "--master_port", str(free_port()),
-            "--log_level", "error", "--module", module, *module_args]
+            "--log_level", "critical", "--module", module, *module_args]

@@ -1,9 +1,10 @@
 """Command-line options shared by several commands: paths as the caller means them, `--set`
 overrides of a config, and the decoding options of `translate` and `eval`.
 
-Paths on the command line are the caller's: ./run.sh changes to the repository root (where the
-relative paths inside a config point, docs/configuration.md) and passes the folder it was called
-from in DEEPNET_CALLER_CWD; `enter_root` takes it, and `user_path` resolves against it."""
+Paths on the command line are the caller's: ./run.sh changes to the repository root and passes
+the folder it was called from in DEEPNET_CALLER_CWD; `enter_root` takes it, `user_path` resolves
+against it, and `load_config(…, cwd=caller_cwd())` takes --set paths from it (paths inside a config
+file are from the file's folder, docs/configuration.md#paths)."""
 from __future__ import annotations
 
 import argparse
@@ -35,14 +36,37 @@ def user_path(text: str) -> str:
     return os.path.normpath(os.path.join(caller_cwd(), os.path.expanduser(text)))
 
 
+def shown_path(path: str) -> str:
+    """`path` as the caller can paste it: relative to their folder where it lies below it, else
+    absolute."""
+    path = os.path.abspath(path)
+    relative = os.path.relpath(path, caller_cwd())
+    return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
+
+
+def bundled_configs() -> list[str]:
+    return sorted(name[:-len(".yaml")] for name in os.listdir(os.path.join(ROOT, "configs")) if name.endswith(".yaml"))
+
+
+def config_path(text: str) -> str:
+    """A config given on the command line: a path from the caller's folder or, where none exists,
+    the name of a bundled config (`default`, `deepnet-100-100`: configs/<name>.yaml)."""
+    path = user_path(text)
+    bundled = os.path.join(ROOT, "configs", text if text.endswith(".yaml") else f"{text}.yaml")
+    if not os.path.exists(path) and os.sep not in text and os.path.isfile(bundled):
+        return bundled
+    return path
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = None) -> None:
     """The config a command reads (positional; optional when there is a default), --run-dir and
     --set, shared by train, prepare and slurm."""
+    what = "YAML run config: a path, or the name of a bundled one in configs/ (e.g. default)"
     if default is None:
-        parser.add_argument("config", type=user_path, help="YAML run config")
+        parser.add_argument("config", type=config_path, help=what)
     else:
-        parser.add_argument("config", nargs="?", default=default, type=user_path,
-                            help=f"YAML run config (default {os.path.relpath(default, ROOT)})")
+        parser.add_argument("config", nargs="?", default=default, type=config_path,
+                            help=f"{what}; default {os.path.relpath(default, ROOT)}")
     parser.add_argument("--run-dir", type=user_path, help="override run_dir of the config")
     add_set_argument(parser)
 

@@ -4,6 +4,7 @@ resumed with the model and layout it was trained with, and a finished run is rec
 starting a rank. (`trainer/config.py` checks the config itself.)"""
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -92,11 +93,13 @@ def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:
     """What this launch does with the run directory (trainer/run_dir.py `relaunch`): TRAIN,
     FINISHED, END_HERE or BELOW, and the line that says so. TRAIN on a resumed run prints the
     settings that differ from the run's recorded config.json, before any rank starts."""
-    verdict, line = relaunch(cfg.run_dir, newest_step(cfg), cfg.train.max_steps, launched_max_steps(saved))
+    from launcher.options import shown_path
+
+    verdict, line = relaunch(shown_path(cfg.run_dir), newest_step(cfg), cfg.train.max_steps, launched_max_steps(saved))
     if verdict == TRAIN and saved is not None:
         changes = setting_changes(saved, to_dict(cfg))
         if changes:
-            print(f"resuming {cfg.run_dir} with settings changed since its last launch (config.json): "
+            print(f"resuming {shown_path(cfg.run_dir)} with settings changed since its last launch (config.json): "
                   f"{'; '.join(changes)}", flush=True)
     return verdict, line
 
@@ -164,3 +167,45 @@ def newest_step(cfg: RunConfig) -> int | None:
         return int(record.get("step", tag[len("step"):]))
     return None
 
+
+
+def check_init_from(cfg: RunConfig, where: str) -> None:
+    """train.init_from of a run that starts now (none of its own checkpoints yet): the source is a
+    run directory with a checkpoint, a checkpoint folder or a model file; its SentencePiece model
+    has the pieces of the one the data is encoded with (data.spm_model); its model has this
+    config's parameter shapes and computes the same function (parallel/init_from.py `compare`)."""
+    from data.errors import DataError
+    from data.spm_source import read_spm, tokenizer, vocabulary_difference
+    from parallel import manifest
+    from parallel.checkpoints import CheckpointError
+    from parallel.init_from import compare, resolve
+
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    if not cfg.train.init_from or manifest.committed_tags(ckpt_dir) or os.path.exists(
+            os.path.join(ckpt_dir, "latest_universal")):
+        return
+    key = f"{where}: train.init_from={cfg.train.init_from}"
+    try:
+        source = resolve(cfg.train.init_from)
+        theirs, ours = read_spm(cfg.train.init_from), read_spm(cfg.data.spm_model or cfg.train.init_from)
+    except (CheckpointError, DataError) as e:
+        raise ConfigError(f"{key}: {e}") from None
+    difference = vocabulary_difference(theirs, ours)
+    if difference:
+        raise ConfigError(f"{key}: its SentencePiece model is not data.spm_model={cfg.data.spm_model}'s ({difference}), so "
+                          "token ids would mean other pieces; leave data.spm_model empty to use the source's")
+    vocab = tokenizer(ours, cfg.data.spm_model).vocab_size
+    problem = compare(source.model, dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or vocab))
+    if problem:
+        raise ConfigError(f"{key}: its model ({source.path}) does not fit this config's: {problem}")
+
+
+def check_directions(cfg: RunConfig, prepared: dict, where: str) -> None:
+    """data.directions against the prepared data (its manifest): each is there, with training text."""
+    chosen = cfg.data.directions
+    unknown = [d for d in chosen if d not in prepared["directions"]]
+    if unknown:
+        raise ConfigError(f"{where}: data.directions lists {', '.join(unknown)}, which the data does not have "
+                          f"(it has {', '.join(prepared['directions'])})")
+    if chosen and not sum(prepared["counts"]["train"].get(d, 0) for d in chosen):
+        raise ConfigError(f"{where}: data.directions ({', '.join(chosen)}) have no training examples; choose others")

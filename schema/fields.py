@@ -181,3 +181,42 @@ def from_dict(cls, values: dict, where: str, prefix: str = ""):
     except ValueError as e:
         raise ConfigError(f"{where}: {str(e).removeprefix('run.')}") from None
     return obj
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of dataclass `cls` (its source's string literal right
+    after the field), whitespace folded; '' for a field without one."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {f.name: "" for f in dataclasses.fields(cls)}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def accepts(annotation) -> str:
+    """What a field accepts, in words: its type or enumeration and its declared bounds and rules."""
+    base, checks = field_checks(annotation)
+    text = type_name(annotation).replace("True", "true").replace("False", "false")
+    origin = typing.get_origin(base)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(base) if a is not Ellipsis]
+        text = f"a list of {type_name(args[0]).removeprefix('a ').removeprefix('an ')}s" if args else "a list"
+    parts = [text]
+    for check in checks:
+        if isinstance(check, Range):
+            bounds = [f"{op} {_number(getattr(check, name))}" for name, op, _ in _BOUNDS if getattr(check, name) is not None]
+            parts.append(" and ".join(bounds))
+        else:
+            parts.append(check.text.removeprefix("must be ").removeprefix("must "))
+    return ", ".join(parts)
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"

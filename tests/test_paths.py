@@ -1,13 +1,12 @@
-"""Paths from anywhere: a path on the command line is the caller's (relative to the folder ./run.sh
-was called from), `~` and `$VARS` expand in the path keys of a config, and a relative path inside
-a config is relative to the repository root (docs/configuration.md). Through the real ./run.sh,
-called from another folder, with HOME pointing at a scratch folder."""
+"""Paths from anywhere: a path on the command line (and a --set path) is the caller's (relative to
+the folder ./run.sh was called from), `~` and `$VARS` expand in the path keys of a config, and a
+relative path inside a config is relative to the config file's folder (docs/configuration.md);
+errors name the absolute path they checked and the rule. Through the real ./run.sh, called from
+another folder, with HOME pointing at a scratch folder."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import uuid
 
 import yaml
 
@@ -35,7 +34,7 @@ def test_prepare_from_another_folder_with_home_and_variable_paths(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = home / "runs" / "mine" / "data"
     assert (data / "manifest.json").exists() and (data / "spm.model").exists()
-    assert f"config {caller}/cfg/mine.yaml → {data}" in proc.stdout
+    assert f"config cfg/mine.yaml → {data}" in proc.stdout  # as the caller can paste them
 
     # --out is the caller's too; a config path that is not there is named as the caller means it
     proc = run_sh(["prepare", "cfg/mine.yaml", "--out", "prepared"], caller, home, RUNS_ROOT=str(home / "runs"))
@@ -53,21 +52,34 @@ def test_prepare_from_another_folder_with_home_and_variable_paths(tmp_path):
     assert not (home / "runs" / "job").exists()
 
 
-def test_relative_paths_inside_a_config_are_relative_to_the_repository(tmp_path):
-    """Called from another folder, `run_dir: runs/<name>` is the repository's runs/<name> (the rule
-    the bundled configs rely on: runs/default, and corpus paths such as corpora/opus-100)."""
-    name = f"test-paths-{uuid.uuid4().hex[:8]}"
-    cfg = base_config(tmp_path)
-    cfg["run_dir"] = f"runs/{name}"
-    (tmp_path / "mine.yaml").write_text(yaml.safe_dump(cfg))
-    try:
-        proc = run_sh(["slurm", "mine.yaml", "--nodes", "1", "--gpus-per-node", "0"], tmp_path, tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"RUN_DIR={ROOT}/runs/{name}\n" in proc.stdout
-        assert os.path.exists(os.path.join(ROOT, "runs", name, "slurm", "job.sbatch"))
-        assert not (tmp_path / "runs").exists()
-    finally:
-        shutil.rmtree(os.path.join(ROOT, "runs", name), ignore_errors=True)
+def test_relative_paths_inside_a_config_are_from_its_folder_and_on_the_command_line_from_the_callers(tmp_path):
+    """A config kept beside its corpus, used from another folder: `run_dir: runs/x` and `corpus:
+    corpus` are the config's neighbours; `--set run_dir=here` is the caller's; a bundled config is
+    named alone and puts its run beside the repository's configs/ (`run_dir: ../runs/default`)."""
+    project, caller = tmp_path / "project", tmp_path / "caller"
+    caller.mkdir()
+    good_corpus(project)  # project/corpus
+    cfg = base_config(tmp_path, "corpus")
+    cfg["run_dir"] = "runs/x"
+    cfg["data"].update(vocab_size=300, spm_sample_sentences=1000)
+    (project / "mine.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0"], caller, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"RUN_DIR={project}/runs/x\n" in proc.stdout and (project / "runs" / "x" / "slurm" / "job.sbatch").exists()
+    with open(project / "runs" / "x" / "slurm" / "config.yaml") as f:
+        assert yaml.safe_load(f)["data"]["corpus"] == str(project / "corpus")
+    proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0", "--set", "run_dir=here"],
+                  caller, tmp_path)
+    assert proc.returncode == 0 and (caller / "here" / "slurm" / "job.sbatch").exists(), proc.stderr[-3000:]
+    # a corpus the config names that is not there: its absolute path and the rule
+    cfg["data"]["corpus"] = "gone"
+    (project / "other.yaml").write_text(yaml.safe_dump(cfg))
+    proc = run_sh(["prepare", "../project/other.yaml"], caller, tmp_path)
+    assert_one_line_error(proc.returncode, proc.stdout, proc.stderr,
+                          [f"data.corpus: {project}/gone does not exist", "from the config file's folder"])
+    # a bundled config by its name alone, from anywhere
+    proc = run_sh(["config", "default"], caller, tmp_path)
+    assert proc.returncode == 0 and f"run_dir: {ROOT}/runs/default  #" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_command_line_paths_in_process_follow_the_callers_folder(tmp_path, capsys, monkeypatch):

@@ -28,7 +28,6 @@ ELSEWHERE = {
                      "(compiling on CPU costs 10-20 s a layer kind)",
     "data.workers": "tests/test_data.py::test_prepare_is_idempotent_and_batching_settings_do_not_redo_it "
                     "(read by ./run.sh prepare only: the prepared files do not depend on it)",
-    "model.vocab_size": "0 takes the data's vocabulary, which the data's own keys (prepared) keep",
 }
 
 

@@ -85,9 +85,11 @@ def test_every_ending_is_recorded_and_a_stopped_run_is_not_called_finished(tiny_
                                      "log_interval": 1, "stop_grace_seconds": 60})
     longer = ("--set", "train.max_steps=400")
 
-    # 1. SIGUSR1 to ./run.sh train: checkpointed, exit 75, recorded as stopped
-    code, _ = _stop(Run(config, *longer), signal.SIGUSR1)
-    assert code == 75
+    # 1. SIGUSR1 to ./run.sh train: checkpointed, exit 75, recorded as stopped; a clean stop is no ERROR
+    run = Run(config, *longer)
+    code, _ = _stop(run, signal.SIGUSR1)
+    assert code == 75 and "ERROR" not in run.text() and "Traceback" not in run.text(), run.text()[-3000:]
+    assert "_load_legacy_checkpoint" not in run.text()
     s = _summary(run_dir)
     step = s["steps"]
     assert (s["state"], s["exit_code"]) == ("stopped", 75) and s["reason"] == f"SIGUSR1: checkpointed at step {step}, " \
@@ -109,6 +111,7 @@ def test_every_ending_is_recorded_and_a_stopped_run_is_not_called_finished(tiny_
     run = Run(config, *longer)
     code, seconds = _stop(run, signal.SIGINT)
     assert code == 130 and seconds < 5 and "Traceback" not in run.text(), (code, seconds, run.text()[-3000:])
+    assert "_load_legacy_checkpoint" not in run.text()  # DeepSpeed's print on resume is not the console's
     s = _summary(run_dir)
     assert (s["state"], s["exit_code"]) == ("stopped", 130)
     assert s["reason"] == "SIGINT (Ctrl-C): every rank stopped at once, without a checkpoint"

@@ -8,6 +8,8 @@ trainer's: `save` takes it as `client` and `resume` returns it.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -89,7 +91,7 @@ class Checkpointer:
             tag_dir = os.path.join(self.ckpt_dir, tag)
             problems = manifest.verify(tag_dir)
             if not problems:
-                path, client = self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
+                path, client = self._load(tag)
                 if path is None:
                     problems = [f"DeepSpeed could not load {tag_dir}"]
                 elif not self.weights_finite():
@@ -112,6 +114,12 @@ class Checkpointer:
         listed = ", ".join(tags) or "none"
         self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
                            "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
+
+    def _load(self, tag: str | None):
+        """DeepSpeed's load_checkpoint of `tag` (None: what `latest_universal` names); what it prints
+        on the way (BF16_Optimizer's "_load_legacy_checkpoint …" on every rank) is dropped."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            return self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
 
     def stop_together(self, message: str, code: int = 1) -> None:
         """All ranks stop with exit `code` on the same finding: rank 0 prints `message` before any
@@ -138,7 +146,7 @@ class Checkpointer:
     def resume_universal(self) -> dict:
         """The universal checkpoint of `./run.sh convert reshard` (it has no manifest: not verified)."""
         self.check_compatible()
-        path, client = self.engine.load_checkpoint(self.ckpt_dir)
+        path, client = self._load(None)
         if path is None:
             raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint latest_universal cannot be "
                              "loaded; train afresh in another run_dir")

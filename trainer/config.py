@@ -100,7 +100,8 @@ def read_yaml(path: str) -> dict:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (configs/ lists the bundled ones)") from None
+        raise ConfigError(f"{os.path.abspath(path)}: no such config file (a relative path on the command line is "
+                          "from your folder; a bundled config may be named alone, e.g. default)") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot be read ({e.strerror})") from None
     if stat.S_ISDIR(info.st_mode):
@@ -187,11 +188,12 @@ def _set_annotation(key: str):
     return None
 
 
-def apply_sets(values: dict, sets: list[str]) -> dict:
+def apply_sets(values: dict, sets: list[str], cwd: str | None = None) -> dict:
     """The raw config mapping `values` with every `--set KEY=VALUE` of `sets` applied (later ones
     win). Each value is checked against its field's annotation by the same code as the YAML file
     (schema/fields.py), so an unknown key or a value of the wrong type or range is a ConfigError that
-    names `--set KEY`; rules across keys are checked when the whole config is built."""
+    names `--set KEY`; rules across keys are checked when the whole config is built. A relative
+    path (PATH_KEYS) is taken from `cwd`, the caller's folder (default this process's)."""
     for item in sets:
         key, value = parse_set(item)
         annotation = _set_annotation(key)
@@ -199,7 +201,9 @@ def apply_sets(values: dict, sets: list[str]) -> dict:
             raise ConfigError(f"--set {key}: no value after '='; give one, e.g. --set {key}=VALUE")
         if annotation is not None:
             try:
-                coerce(annotation, expand_path(value, key) if key in PATH_KEYS else value, key)
+                if key in PATH_KEYS:
+                    value = anchor_path(value, key, cwd or os.getcwd())
+                coerce(annotation, value, key)
             except ConfigError as e:
                 raise ConfigError(f"--set {e}") from None
         *sections, name = key.split(".")
@@ -218,9 +222,11 @@ def apply_sets(values: dict, sets: list[str]) -> dict:
 
 # ---- paths -------------------------------------------------------------------------------------
 
-PATH_KEYS = ("run_dir", "data.corpus")
-"""The keys that name files or folders: `~` and `$VARS` expand in them (`expand_path`). A relative
-path is relative to the repository's root, where ./run.sh and every rank run (docs/configuration.md)."""
+PATH_KEYS = ("run_dir", "data.corpus", "data.spm_model", "train.init_from")
+"""The keys that name files or folders: `~` and `$VARS` expand in them (`expand_path`), and a relative
+one is made absolute (`anchor_path`): written in a config file, from the file's folder; given with
+--set or by a program (`overrides`), from the caller's folder (docs/configuration.md#paths)."""
+BUNDLED_PREFIX = "bundled:"
 _UNSET_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
 
 
@@ -242,48 +248,79 @@ def expand_path(value, key: str):
     return prefix + path
 
 
-def _expand_paths(values: dict, where: str) -> None:
+def anchor_path(value, key: str, base: str):
+    """`value` (expanded) as an absolute path, a relative one taken from the folder `base` (after
+    `gettext:` in data.corpus; `bundled:…` names no path)."""
+    value = expand_path(value, key)
+    if not isinstance(value, str) or value.startswith(BUNDLED_PREFIX):
+        return value
+    prefix = GETTEXT_PREFIX if key == "data.corpus" and value.startswith(GETTEXT_PREFIX) else ""
+    path = value[len(prefix):]
+    return prefix + (os.path.normpath(os.path.join(base, path)) if path.strip() else path)
+
+
+def _anchor_paths(values: dict, where: str, base: str, skip: set[str] = frozenset()) -> None:
+    """The path keys of the raw mapping `values` (but those in `skip`) made absolute from the folder `base`."""
     for key in PATH_KEYS:
+        if key in skip:
+            continue
         *sections, name = key.split(".")
         node = values
         for part in sections:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and name in node:
             try:
-                node[name] = expand_path(node[name], key)
+                node[name] = anchor_path(node[name], key, base)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
 
 
+def _has(values: dict, key: str) -> bool:
+    *sections, name = key.split(".")
+    for part in sections:
+        values = values.get(part) if isinstance(values, dict) else None
+    return isinstance(values, dict) and name in values
+
+
 def load_config(path: str, overrides: dict | None = None, cluster: str | None = None,
-                sets: list[str] | None = None) -> RunConfig:
+                sets: list[str] | None = None, cwd: str | None = None) -> RunConfig:
     """Read a YAML run config; `overrides` is a nested dict applied on top (e.g. --run-dir, tests);
     `sets` are `--set KEY=VALUE` items applied after it (`apply_sets`; they also win over a
     cluster's layout); `cluster` selects one of the config's `clusters:` layouts. `~` and `$VARS`
-    expand in the path keys (PATH_KEYS). Every layout is validated."""
+    expand in the path keys (PATH_KEYS), and relative ones are made absolute: the file's from its
+    folder, those of `overrides` and `sets` from `cwd` (the caller's folder; default this process's).
+    Every layout is validated."""
     values = read_yaml(path)
-    for section, items in (overrides or {}).items():
+    base, cwd = os.path.dirname(os.path.abspath(path)), cwd or os.getcwd()
+    values.setdefault("run_dir", RunConfig.run_dir)  # the default too is from the file's folder
+    overrides = copy.deepcopy(overrides or {})
+    sets = list(sets or [])
+    replaced = {parse_set(item)[0] for item in sets} | {key for key in PATH_KEYS if _has(overrides, key)}
+    _anchor_paths(values, path, base, skip=replaced)  # (what --set or overrides replace is not the file's)
+    _anchor_paths(overrides, path, cwd)
+    for section, items in overrides.items():
         if isinstance(items, dict) and isinstance(values.get(section), dict):
             values[section].update(items)
         else:
             values[section] = items
-    sets = list(sets or [])
-    apply_sets(values, sets)
+    apply_sets(values, sets, cwd)
     where = f"{path} with --set {' '.join(sets)}" if sets else path
-    _expand_paths(values, where)
     cfg = from_dict(RunConfig, values, where)
     validate(cfg, where)
     for name, layout in cfg.clusters.items():
         at = f"{where}: clusters.{name}"
-        laid_out = from_dict(RunConfig, with_cluster(values, name, at), at)
+        merged = with_cluster(values, name, at)
+        _anchor_paths(merged, at, base)
+        laid_out = from_dict(RunConfig, merged, at)
         validate(laid_out, at)
         if layout.nodes * layout.gpus_per_node != laid_out.world_size:
             raise ConfigError(f"{at}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
                               f"must equal pipeline_stages × tensor_parallel × data_parallel = "
                               f"{laid_out.world_size}")
     if cluster is not None:
-        laid_out = apply_sets(with_cluster(values, cluster, where), sets)
-        _expand_paths(laid_out, where)
+        laid_out = with_cluster(values, cluster, where)
+        _anchor_paths(laid_out, where, base)
+        apply_sets(laid_out, sets, cwd)
         cfg = from_dict(RunConfig, laid_out, where)
         validate(cfg, f"{where} with clusters.{cluster}")
     return cfg
@@ -298,6 +335,8 @@ def check_run_config(values: dict, where: str) -> None:
 def validate(cfg: RunConfig, where: str) -> None:
     """Rules across keys and sections (each field's own type and bounds are checked when read)."""
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.train
+    if t.init_from and not d.spm_model:  # a fine-tuned model keeps the token ids its source learnt
+        d.spm_model = t.init_from
     try:
         m.validate() if m.vocab_size else dataclasses.replace(m, vocab_size=1).validate()
     except ValueError as e:

@@ -36,8 +36,7 @@ def _resume_rules() -> dict[str, str]:
 
     rules = {"run_dir": NOT_A_SETTING, "clusters": NOT_A_SETTING}
     for f in dataclasses.fields(ModelConfig):
-        # vocab_size 0 means "the data's": the data's own rule (PREPARED) keeps it
-        rules[f"model.{f.name}"] = HONOURED if f.name in _HONOURED_MODEL or f.name == "vocab_size" else FIXED
+        rules[f"model.{f.name}"] = HONOURED if f.name in _HONOURED_MODEL else FIXED
     for f in dataclasses.fields(DataConfig):
         rules[f"data.{f.name}"] = HONOURED if f.name in _HONOURED_DATA else PREPARED
     for f in dataclasses.fields(ParallelConfig):
@@ -54,9 +53,14 @@ FIXED_ON_RESUME = [tuple(key.split(".")) for key, rule in RESUME_RULES.items() i
 
 
 def resume_differences(saved: dict, now: dict) -> list[str]:
-    """`section.key: old → new` for every key of FIXED_ON_RESUME that differs."""
+    """`section.key: old → new` for every key of FIXED_ON_RESUME that differs. model.vocab_size 0
+    means "the data's", which the recorded value is (the data's own keys are fixed)."""
+    def differs(section: str, key: str) -> bool:
+        old, new = saved.get(section, {}).get(key), now[section][key]
+        return old != new and not (section == "model" and key == "vocab_size" and new == 0)
+
     return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} → {now[section][key]!r}"
-            for section, key in FIXED_ON_RESUME if saved.get(section, {}).get(key) != now[section][key]]
+            for section, key in FIXED_ON_RESUME if differs(section, key)]
 
 
 def setting_changes(saved: dict, now: dict) -> list[str]:
@@ -64,7 +68,7 @@ def setting_changes(saved: dict, now: dict) -> list[str]:
     config's (the settings a resuming launch changes)."""
     changes = []
     for key, rule in RESUME_RULES.items():
-        if rule != HONOURED or key == "model.vocab_size":
+        if rule != HONOURED:
             continue
         section, name = key.split(".")
         if name not in saved.get(section, {}):

@@ -9,7 +9,7 @@ import functools
 import math
 import os
 
-from launcher.options import add_set_argument, user_path
+from launcher.options import add_set_argument, caller_cwd, user_path
 from trainer.config import ConfigError, RunConfig
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
@@ -61,7 +61,7 @@ def load_run_config(spec: str, sets: list[str]) -> RunConfig:
                 named_model(spec)  # its message names the configs there are
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    cfg = load_config(path, sets=sets)
+    cfg = load_config(path, sets=sets, cwd=caller_cwd())
     cfg.model.vocab_size = cfg.model.vocab_size or cfg.data.vocab_size
     return cfg
 

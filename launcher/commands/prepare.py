@@ -5,7 +5,7 @@ import argparse
 import os
 
 from launcher.launch import DEFAULT_CONFIG
-from launcher.options import add_config_arguments, run_dir_override, user_path
+from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path, user_path
 from trainer.config import load_config
 from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
 
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from data.dataset import PairDataset
     from data.prepare import check_corpus, prepare_data, split_prefix
 
-    cfg = load_config(args.config, run_dir_override(args), sets=args.sets)
+    cfg = load_config(args.config, run_dir_override(args), sets=args.sets, cwd=caller_cwd())
     out = args.out or os.path.join(cfg.run_dir, "data")
     if args.out:
         check_writable_folder(args.out, "--out")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check_device:
         check_device(cfg, args.config)
     check_corpus(cfg.data)  # what needs no pass over the text, before anything is written
-    print(f"config {args.config} → {out}", flush=True)
+    print(f"config {shown_path(args.config)} → {shown_path(out)}", flush=True)
     try:
         prepare_data(cfg.data, out, progress=not args.no_progress)
     except KeyboardInterrupt:

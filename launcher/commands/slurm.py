@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 
-from launcher.options import add_config_arguments, run_dir_override
+from launcher.options import add_config_arguments, caller_cwd, run_dir_override
 from launcher.preflight import check_resume, check_run_dir
 from launcher.slurm import JobSpec, resolved_config_text, write_job
 from trainer.config import ConfigError, load_config
@@ -119,7 +119,7 @@ def _command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
-    cfg = load_config(args.config, run_dir_override(args), cluster=args.cluster, sets=args.sets)
+    cfg = load_config(args.config, run_dir_override(args), cluster=args.cluster, sets=args.sets, cwd=caller_cwd())
     cluster = cfg.clusters.get(args.cluster) if args.cluster else None
     _check_job_flags(args)
     nodes, gpus, tasks = _layout_flags(args, cfg, cluster)

@@ -11,9 +11,10 @@ import time
 import yaml
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
-from launcher.options import add_config_arguments, run_dir_override
+from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from trainer.config import ConfigError, load_config, to_dict
-from launcher.preflight import check_device, check_relaunch, check_resume, check_run_dir, end_run_here
+from launcher.preflight import (check_device, check_directions, check_init_from, check_relaunch, check_resume,
+                                check_run_dir, end_run_here)
 from launcher.procs import die_with_parent_shell, supervise
 from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.eval_sentences < 0:
         raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
-    cfg = load_config(args.config, run_dir_override(args), sets=args.sets)
+    cfg = load_config(args.config, run_dir_override(args), sets=args.sets, cwd=caller_cwd())
     check_run_dir(cfg, args.config)
     saved = check_resume(cfg, args.config)
     verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_device(cfg, args.config)
     check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
+    check_init_from(cfg, args.config)  # a fine-tuning run's source fits the model and the vocabulary
     try:  # held until this process ends; the ranks die with it (launcher/procs.py)
         lock = RunLock(cfg.run_dir).acquire()
     except RunDirBusy as e:
@@ -88,8 +90,8 @@ def _train(args: argparse.Namespace, cfg) -> int:
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     sets = f" with --set {' '.join(args.sets)}" if args.sets else ""
-    print(f"config {args.config}{sets} → run directory {cfg.run_dir}", flush=True)
-    prepare_data(cfg.data, os.path.join(cfg.run_dir, "data"))
+    print(f"config {shown_path(args.config)}{sets} → run directory {shown_path(cfg.run_dir)}", flush=True)
+    check_directions(cfg, prepare_data(cfg.data, os.path.join(cfg.run_dir, "data")), args.config)
     with resolved_config(cfg, args.config) as config:
         cmd = deepspeed_command(world, "launcher.worker", ["--config", config, "--run-dir", os.path.abspath(cfg.run_dir)])
         rc = _launch(cmd, env, cfg, layout, world, gpus, cores)
