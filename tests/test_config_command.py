@@ -57,6 +57,13 @@ def test_every_key_has_a_one_line_doc_and_the_docs_reference_is_the_schemas():
     assert len(markdown().splitlines()) == len(leaf_keys()) + 4
 
 
+def test_tensorboard_of_a_folder_without_events_is_one_line(tmp_path):
+    proc = run_sh("tensorboard", "somewhere", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr == (f"error: {tmp_path}/somewhere/tensorboard: no TensorBoard events "
+                                                    "there; give a run directory that has trained (its tensorboard/ "
+                                                    "folder holds them)\n")
+
+
 def test_a_bundled_config_is_named_alone_from_any_folder(tmp_path):
     proc = run_sh("config", "base-6-6", cwd=tmp_path)
     assert proc.returncode == 0 and proc.stdout.startswith(f"# {ROOT}/configs/base-6-6.yaml, resolved"), proc.stderr

@@ -62,7 +62,6 @@ ALLOWED = {
     ("path", "model/kernels.py"): "historical: the kernels' build, removed",
     ("key", "train.max_stepz"): "configuration.md's example of a misspelt key and the error that names it",
     ("flag", "--module"): "deepspeed's launcher option (`deepspeed --module launcher.worker`)",
-    ("flag", "--logdir"): "tensorboard's option",
     ("flag", "--kill-on-bad-exit"): "srun's option, in the SLURM job script",
     ("flag", "--requeue"): "sbatch's option, in the SLURM job script",
     ("flag", "--signal"): "sbatch's `--signal=B:USR1@300` and scancel's `--signal=USR1`",

@@ -201,6 +201,10 @@ def test_a_short_run_shows_its_progress_keeps_train_log_and_is_recognised_when_f
     events.Reload()
     assert [e.step for e in events.Scalars("valid/loss")] == [0, 2, 4]
     assert [e.step for e in events.Scalars("eval/chrF")] == [4]
+    # ./run.sh tensorboard RUN reads them with the environment's tensorboard, from the caller's folder
+    shown = subprocess.run([os.path.join(ROOT, "run.sh"), "tensorboard", os.path.relpath(run_dir, caller), "--inspect"],
+                           cwd=caller, env=env, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and "valid/loss" in shown.stdout and "train/loss" in shown.stdout, shown.stderr
 
     # finished: said in one line, before any rank starts
     start = time.monotonic()
