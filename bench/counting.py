@@ -12,11 +12,22 @@ Compiled code's vendor calls (matrix products, SDPA, the dropout seed) are aten 
 count by the first rule. `dispatched` counts every operation that is not a view by its schema,
 with no other exception: what a plain dispatch-mode count gives.
 
-A host sync is an operation that reads a tensor's value on the host (`.item()`, `bool()`,
-`nonzero`, … as dispatched, and `.tolist()`, which reads without a dispatch on a CPU): on a GPU each
-waits for the device. On GPUs the sync
-debug mode (parallel/accelerator.py `warn_on_sync`) sees the others too (copies to pageable host
-memory).
+A host sync is either of two things, each of which makes the host wait for the device on a GPU:
+- a read of a tensor's value on the host (`.item()`, `bool()`, `nonzero`, … as dispatched, and
+  `.tolist()`, which reads without a dispatch on a CPU);
+- a blocking copy from host memory to the device: a tensor made on the device from host values
+  (`torch.tensor`, `torch.as_tensor` or `torch.asarray` of Python numbers, lists or arrays with a
+  `device=` of the accelerator; `Tensor.new_tensor` on a device tensor), or a host tensor moved to the
+  device by `.to`, `copy_` or the GPU method without `non_blocking=True` (from pinned memory,
+  non-blocking, the copy queues behind the device's work instead). On a GPU CUDA copies such
+  data from pageable memory and waits for the stream (`torch.cuda.set_sync_debug_mode` flags it).
+  On a CPU the same rule counts what the GPU's path would copy: a `device=` naming the
+  accelerator, or a move of a tensor made on the host (`torch.tensor`, `as_tensor`, `asarray`,
+  `from_numpy` without a device, or pinned) without `non_blocking`; the host is the accelerator
+  there, so no copy happens, but the count is the GPU's.
+Making a tensor on the device from a constant (`torch.full`, `zeros`, `ones`) launches a fill
+kernel with the value as its argument: no copy, no sync. On GPUs the sync debug mode
+(parallel/accelerator.py `warn_on_sync`) sees every kind, copies to pageable host memory too.
 """
 from __future__ import annotations
 
@@ -96,6 +107,8 @@ class KernelCounter(TorchDispatchMode):
     def __init__(self, classify: bool = False):
         super().__init__()
         self.kernels = self.dispatched = self.syncs = self.generated = 0
+        self.host_copies = 0
+        """Of `syncs`, the blocking copies from host memory to the device (module docstring)."""
         self.by_op: collections.Counter = collections.Counter()
         self.classify = classify
         self.by_class: collections.Counter = collections.Counter()
@@ -108,21 +121,14 @@ class KernelCounter(TorchDispatchMode):
     def __enter__(self):
         _wrap_generated()
         KernelCounter._active.append(self)
-        if len(KernelCounter._active) == 1:  # `.tolist()` reads the values without a dispatch on a CPU
-            KernelCounter._tolist = torch.Tensor.tolist
-
-            def tolist(tensor, *args, **kwargs):
-                for counter in KernelCounter._active:
-                    counter.syncs += 1
-                return KernelCounter._tolist(tensor, *args, **kwargs)
-
-            torch.Tensor.tolist = tolist
+        if len(KernelCounter._active) == 1:
+            _host_syncs.install()
         return super().__enter__()
 
     def __exit__(self, *exc):
         KernelCounter._active.remove(self)
         if not KernelCounter._active:
-            torch.Tensor.tolist = KernelCounter._tolist
+            _host_syncs.remove()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -165,6 +171,123 @@ class KernelCounter(TorchDispatchMode):
         self.kernels += 1
         self.generated += 1
         self.by_op["(generated)"] += 1
+
+
+def _count_sync(copy: bool = False) -> None:
+    for counter in KernelCounter._active:
+        counter.syncs += 1
+        counter.host_copies += copy
+
+
+class _HostSyncs:
+    """What reads or copies outside the dispatcher, counted while a KernelCounter is active: the
+    functions below are replaced on torch while any counter is active (module docstring's rule)."""
+
+    FACTORIES = ("tensor", "as_tensor", "asarray")
+
+    def __init__(self):
+        self.saved: dict = {}
+        self.host_made = None  # tensors made on the host from host data, by id (weakly)
+
+    @staticmethod
+    def _on_host() -> bool:
+        from parallel import accelerator
+
+        return accelerator.on_host()
+
+    def _accelerator(self, device) -> bool:
+        """Whether a device argument names the accelerator's device (on the host: any device)."""
+        if device is None:
+            return False
+        from parallel.accelerator import HOST
+
+        return self.host or torch.device(device).type != HOST
+
+    def _from_host(self, tensor) -> bool:
+        """Whether `tensor` lives in host memory on the GPU's path."""
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        from parallel.accelerator import HOST
+
+        return tensor in self.host_made if self.host else tensor.device.type == HOST
+
+    def _made(self, out, device) -> None:
+        if device is None and isinstance(out, torch.Tensor):
+            self.host_made[out] = True
+
+    def install(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        from parallel.accelerator import GPU
+
+        self.host, self.host_made = self._on_host(), WeakIdKeyDictionary()
+        for name in (*self.FACTORIES, "from_numpy"):
+            self.saved[(torch, name)] = getattr(torch, name)
+        for name in ("tolist", "to", "copy_", "new_tensor", "pin_memory", GPU):
+            self.saved[(torch.Tensor, name)] = getattr(torch.Tensor, name)
+        saved = {name: fn for (_, name), fn in self.saved.items()}
+
+        def factory(name):
+            def make(data, *args, **kwargs):
+                device = kwargs.get("device")
+                if self._accelerator(device) and (not isinstance(data, torch.Tensor) or self._from_host(data)):
+                    _count_sync(copy=True)
+                out = saved[name](data, *args, **kwargs)
+                self._made(out, device)
+                return out
+            return make
+
+        def from_numpy(array):
+            out = saved["from_numpy"](array)
+            self._made(out, None)
+            return out
+
+        def tolist(tensor, *args, **kwargs):  # reads the values without a dispatch on a CPU
+            _count_sync()
+            return saved["tolist"](tensor, *args, **kwargs)
+
+        def to(tensor, *args, **kwargs):
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            self._move(tensor, device, non_blocking)
+            return saved["to"](tensor, *args, **kwargs)
+
+        def copy_(tensor, src, non_blocking=False):
+            self._move(src, tensor.device if not self.host or tensor not in self.host_made else None, non_blocking)
+            return saved["copy_"](tensor, src, non_blocking)
+
+        def new_tensor(tensor, data, *args, **kwargs):
+            if not self._from_host(tensor) and kwargs.get("device") is None:
+                _count_sync(copy=True)
+            return saved["new_tensor"](tensor, data, *args, **kwargs)
+
+        def pin_memory(tensor, *args, **kwargs):
+            out = saved["pin_memory"](tensor, *args, **kwargs)
+            self.host_made[out] = True
+            return out
+
+        def gpu(tensor, device=None, non_blocking=False, **kwargs):
+            self._move(tensor, device if device is not None else GPU, non_blocking)
+            return saved[GPU](tensor, device, non_blocking, **kwargs)
+
+        for name in self.FACTORIES:
+            setattr(torch, name, factory(name))
+        torch.from_numpy = from_numpy
+        for name, fn in (("tolist", tolist), ("to", to), ("copy_", copy_), ("new_tensor", new_tensor),
+                         ("pin_memory", pin_memory), (GPU, gpu)):
+            setattr(torch.Tensor, name, fn)
+
+    def _move(self, tensor, device, non_blocking: bool) -> None:
+        if not non_blocking and self._accelerator(device) and self._from_host(tensor):
+            _count_sync(copy=True)
+
+    def remove(self) -> None:
+        for (owner, name), fn in self.saved.items():
+            setattr(owner, name, fn)
+        self.saved.clear()
+        self.host_made = None
+
+
+_host_syncs = _HostSyncs()
 
 
 def _count_generated(name: str) -> None:

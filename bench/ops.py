@@ -1,7 +1,7 @@
 """`./run.sh bench ops`: what predicts a GPU step's host time, counted on any device.
 
     ./run.sh bench ops [CONFIG] [--set KEY=VALUE ...] [--batch 16 --src 24 --tgt 20] [--pp 2]
-                       [--skip engine,syncs,compiled] [--out DIR]
+                       [--skip layers,engine,syncs,compiled] [--out DIR] [--jsonl FILE]
 
 On a GPU the trainer's step is bound by the host: its time follows the number of kernels it
 launches and the times it waits for the device, not its FLOPs. Counted here (bench/counting.py
@@ -9,35 +9,40 @@ has the rule), for the model of CONFIG (default configs/default.yaml):
 
   layers       kernel operations of one forward + backward per layer kind (embedding, encoder,
                decoder, output + loss), eager and compiled (parallel/compiled.py), on a batch of
-               --batch sentence pairs × (--src + --tgt) tokens with padding; on a CPU with the
-               GPU's fused dropout (bench/counting.py `fused_dropout`)
+               --batch sentence pairs × (--src + --tgt) tokens with padding, on the accelerator
+               (bf16 on a GPU, fp32 on a CPU, there with the GPU's fused dropout:
+               bench/counting.py `fused_dropout`)
   engine       the engine's operations per training step beyond the model (gradient
                accumulation, clipping, norms, optimizer, bookkeeping) in fp32 and bf16, at pp = 1
                in this process (`engine_ops_per_step`)
   syncs        host syncs per micro-batch and per step of the real trainer at pp = 1 (this
-               process) and at --pp stages (one launch of that many ranks): on a GPU what the
-               sync debug mode reports, on a CPU the operations that read a value
+               process) and at --pp stages (one launch of that many ranks; where the machine has
+               fewer GPUs than --pp, CPU ranks, and the result says so): reads of a value and
+               blocking host-to-device copies (bench/counting.py), on a GPU also what the sync
+               debug mode reports (bench/ops_syncs.py)
   compiled     graph breaks and graphs compiled per layer kind over micro-batches of varying
                shapes (training, a batch of one, then evaluation), and the seconds compiling took
 
 Prints a table; writes OUT/bench.json (default runs/bench-ops) with the keys
 kernel_ops_per_layer.{embedding,encoder,decoder,output}.{eager,compiled},
-engine_ops_per_step.{fp32,bf16}, syncs_per_microbatch, syncs_per_step, graph_breaks,
-compilations_per_layer_kind (and the details behind each).
+engine_ops_per_step.{fp32,bf16}, syncs_per_microbatch, syncs_per_step (the worst rank of
+syncs_pp1 and syncs_pp<N>, each launch's ranks), graph_breaks, compilations_per_layer_kind (and the
+details behind each), rewritten as each result comes; with
+--jsonl each result is also appended there as one JSON line {"part": "ops", "result": {...}} (the
+GPU check, bench/gpu_check.py, merges them).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 
+from bench.gpu_results import append_jsonl, write_json
+from bench.ops_syncs import engine_ops_per_step, launch_syncs, new_trainer, sync_counts  # noqa: F401 (their home)
 from launcher.launch import DEFAULT_CONFIG, ROOT
 
-MICRO_BATCH_INSTRUCTIONS = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
-                            "SendGrad", "RecvGrad", "WeightPass")
 SHAPES = [(8, 12, 10), (5, 17, 23), (12, 9, 9), (3, 30, 11), (8, 12, 10)]
 """(sentences, source, target) of the micro-batches the compilation check runs, in order."""
 
@@ -61,8 +66,19 @@ def _inputs(model, batch: int, src_len: int, tgt_len: int, seed: int = 0):
     return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
 
 
+def placement():
+    """(device, dtype) the counts run in: the accelerator's device, in bf16 on a GPU (as training
+    runs there; the compiled graphs are those of training), fp32 on the host."""
+    import torch
+
+    from parallel import accelerator
+
+    return accelerator.device(), torch.float32 if accelerator.on_host() else torch.bfloat16
+
+
 class Kinds:
-    """The four layer kinds of a stage as fwd + bwd closures on one batch (plain modules)."""
+    """The four layer kinds of a stage as fwd + bwd closures on one batch (plain modules), on the
+    accelerator's device (`placement`)."""
 
     def __init__(self, model, batch: int, src_len: int, tgt_len: int):
         import torch
@@ -71,14 +87,15 @@ class Kinds:
         from model.transformer import build_layer, smoothed_loss_sum
 
         torch.manual_seed(0)
+        device, dtype = placement()
         self.model = model
-        self.embed = build_layer(model, "embed").train()
-        self.encoder = build_layer(model, "encoder").train()
-        self.decoder = build_layer(model, "decoder").train()
-        self.src, self.tgt_in, self.tgt_out = _inputs(model, batch, src_len, tgt_len)
+        self.embed = build_layer(model, "embed").to(device=device, dtype=dtype).train()
+        self.encoder = build_layer(model, "encoder").to(device=device, dtype=dtype).train()
+        self.decoder = build_layer(model, "decoder").to(device=device, dtype=dtype).train()
+        self.src, self.tgt_in, self.tgt_out = (t.to(device) for t in _inputs(model, batch, src_len, tgt_len))
         d = model.d_model
-        self.enc = torch.randn(batch, src_len, d, requires_grad=True)
-        self.dec = torch.randn(batch, tgt_len, d, requires_grad=True)
+        self.enc = torch.randn(batch, src_len, d).to(device, dtype).requires_grad_()
+        self.dec = torch.randn(batch, tgt_len, d).to(device, dtype).requires_grad_()
         pad = model.pad_id
 
         def embedding():
@@ -91,7 +108,7 @@ class Kinds:
 
         self.functions = {"embedding": embedding, "encoder": lambda mask: self.encoder(self.enc, mask),
                           "decoder": lambda mask: self.decoder(self.dec, self.enc, mask), "output": output}
-        self.mask = padding_mask(self.src, pad)
+        self.mask = padding_mask(self.src, pad, dtype)
 
     def step(self, kind: str, function=None, counter=None) -> None:
         """One forward and backward of `kind` (through `function` when given: a compiled one),
@@ -197,7 +214,8 @@ def compilations(model) -> dict:
     from parallel.compiled import run_layer
 
     torch.manual_seed(0)
-    enc_layer, dec_layer = build_layer(model, "encoder"), build_layer(model, "decoder")
+    device, dtype = placement()
+    enc_layer, dec_layer = (build_layer(model, kind).to(device=device, dtype=dtype) for kind in ("encoder", "decoder"))
     before = {kind: dict(s) for kind, s in compiling.stats.items()}
     breaks_before = sum(counters["graph_break"].values())
     compiling.compile_layers(torch.nn.ModuleList([enc_layer, dec_layer]))
@@ -207,10 +225,10 @@ def compilations(model) -> dict:
         enc_layer.train(training)
         dec_layer.train(training)
         for batch, s, t in shapes if training else shapes[:2]:
-            src, _, _ = _inputs(model, batch, s, t)
-            mask = padding_mask(src, model.pad_id)
-            x = torch.randn(batch, s, model.d_model, requires_grad=training)
-            y = torch.randn(batch, t, model.d_model, requires_grad=training)
+            src = _inputs(model, batch, s, t)[0].to(device)
+            mask = padding_mask(src, model.pad_id, dtype)
+            x = torch.randn(batch, s, model.d_model).to(device, dtype).requires_grad_(training)
+            y = torch.randn(batch, t, model.d_model).to(device, dtype).requires_grad_(training)
             with torch.set_grad_enabled(training):
                 out = run_layer(enc_layer, x, mask).sum() + run_layer(dec_layer, y, x, mask).sum()
                 if training:
@@ -224,158 +242,40 @@ def compilations(model) -> dict:
             "shapes": {"training": shapes, "evaluation": shapes[:2]}}
 
 
-def sync_counts(trainer, steps: int = 2) -> dict:
-    """Host syncs of `steps` training steps of `trainer` on this rank: per micro-batch (inside the
-    pipeline's micro-batch instructions) and per step (everything else of train_step)."""
-    import contextlib
-    import warnings
-
-    from bench.counting import KernelCounter
-    from parallel import accelerator
-
-    on_gpu = not accelerator.on_host()
-    in_microbatch = [0]
-    counter = KernelCounter()
-
-    def reads() -> int:
-        return counter.syncs if not on_gpu else len(caught)
-
-    @contextlib.contextmanager
-    def attribute(name, kwargs):
-        if name not in MICRO_BATCH_INSTRUCTIONS:
-            yield
-            return
-        start = reads()
-        yield
-        in_microbatch[0] += reads() - start
-
-    caught: list = []
-    remove = trainer.engine.observe(attribute)
-    try:
-        with warnings.catch_warnings(record=True) as caught_warnings:
-            warnings.simplefilter("always")
-            accelerator.warn_on_sync(True)
-            caught = caught_warnings
-            with counter:
-                for _ in range(steps):
-                    trainer.train_step()
-            total = reads()
-    finally:
-        accelerator.warn_on_sync(False)
-        remove()
-    m = trainer.cfg.train.micro_batches * steps
-    return {"per_microbatch": in_microbatch[0] / m, "per_step": total / steps,
-            "method": "the GPU's sync debug mode" if on_gpu else "operations reading a value on the host"}
-
-
-def engine_ops_per_step(cfg, precision: str, data_dir: str, run_dir: str, step: int = 3,
-                        flat_optimizer: bool = True) -> dict:
-    """Kernel operations of training step `step` beyond the model (bench/counting.py classes; the
-    earlier steps warm up: the optimizer's state is made in the first) for run config `cfg` in
-    `precision`, at pp = dp = tp = 1 in this process. `flat_optimizer=False` measures DeepSpeed's
-    own optimizers instead (parallel/optimizer.py's A/B switch)."""
-    import copy
-
-    from bench.counting import KernelCounter
-    from parallel.optimizer import FlatOptimizer
-
-    cfg = copy.deepcopy(cfg)
-    cfg.parallel.precision = precision
-    enabled, FlatOptimizer.enabled = FlatOptimizer.enabled, flat_optimizer
-    try:
-        trainer = _trainer(cfg, data_dir, run_dir)
-    finally:
-        FlatOptimizer.enabled = enabled
-    for _ in range(step - 1):
-        trainer.train_step()
-    with KernelCounter(classify=True) as counter:
-        trainer.train_step()
-    return {**counter.beyond_model(), "optimizer_class": type(trainer.engine.optimizer).__name__,
-            "tensors": sum(1 for p in trainer.module.parameters() if p.requires_grad),
-            "micro_batches": cfg.train.micro_batches}
-
-
-def _trainer(cfg, data_dir: str, run_dir: str, pp: int = 1):
-    """A fresh Trainer of `cfg` at `pp` stages (this process is one of its ranks) on prepared data."""
-    import copy
-    import shutil
-
-    import torch
-
-    from trainer.trainer import Trainer
-
-    cfg = copy.deepcopy(cfg)
-    cfg.parallel.pipeline_stages, cfg.parallel.data_parallel, cfg.parallel.tensor_parallel = pp, 1, 1
-    cfg.run_dir = run_dir
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.makedirs(os.path.join(run_dir, "checkpoints"))
-        os.symlink(os.path.abspath(data_dir), os.path.join(run_dir, "data"))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    return Trainer(cfg)
-
-
-def syncs_worker(config: str, data_dir: str, work: str, out: str, overrides: list[str]) -> None:
-    """One rank of the --pp launch: warm up, count two steps, rank 0 writes every rank's counts."""
-    import torch
-
-    from parallel.engine import exit_rank
-    from trainer.config import load_config
-
-    cfg = load_config(config, sets=overrides)
-    trainer = _trainer(cfg, data_dir, os.path.join(work, "pp"), cfg.parallel.pipeline_stages)
-    for _ in range(2):
-        trainer.train_step()
-    mine = sync_counts(trainer)
-    gathered = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
-    if torch.distributed.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(gathered, f)
-    exit_rank(0)
-
-
-def _launch_syncs(config: str, pp: int, data_dir: str, work: str, overrides: list[str]) -> list[dict]:
-    import subprocess
-
-    from launcher.launch import deepspeed_command, launch_env
-
-    out = os.path.join(work, f"syncs-pp{pp}.json")
-    sets = [f"parallel.pipeline_stages={pp}", "parallel.data_parallel=1", "parallel.tensor_parallel=1", *overrides]
-    args = [os.path.abspath(config), "--syncs-worker", "--data-dir", data_dir, "--work", work,
-            "--result", out] + [a for s in sets for a in ("--set", s)]
-    env = launch_env(pp)
-    env["OMP_NUM_THREADS"] = "1"
-    log = os.path.join(work, f"syncs-pp{pp}.log")
-    with open(log, "w") as f:
-        code = subprocess.call(deepspeed_command(pp, "bench.ops", args), env=env, cwd=ROOT, stdout=f,
-                               stderr=subprocess.STDOUT)
-    if code != 0 or not os.path.exists(out):
-        raise RuntimeError(f"the pp={pp} launch failed (exit {code}); see {log}")
-    with open(out) as f:
-        return json.load(f)
-
-
 def table(result: dict) -> str:
-    rows = ["| layer kind | eager | compiled |", "|---|---|---|"]
-    for kind, n in result["kernel_ops_per_layer"].items():
-        rows.append(f"| {kind} | {n['eager']} | {n.get('compiled', '—')} |")
-    lines = ["Kernel operations per layer, forward + backward:", "", *rows, "",
-             f"Output layer with its loss over its matrix products (time): {result['output_cost_ratio']:.2f}, "
-             f"i.e. {result['logit_cost']:.0f} FLOP-equivalents per logit beyond them (model/flops.py LOGIT_COST)"]
+    lines = []
+    if "kernel_ops_per_layer" in result:
+        rows = ["| layer kind | eager | compiled |", "|---|---|---|"]
+        for kind, n in result["kernel_ops_per_layer"].items():
+            rows.append(f"| {kind} | {n['eager']} | {n.get('compiled', '—')} |")
+        lines += ["Kernel operations per layer, forward + backward:", "", *rows, ""]
+    if "output_cost_ratio" in result:
+        lines.append(f"Output layer with its loss over its matrix products (time): {result['output_cost_ratio']:.2f}, "
+                     f"i.e. {result['logit_cost']:.0f} FLOP-equivalents per logit beyond them (model/flops.py LOGIT_COST)")
     if "engine_ops_per_step" in result:
         e = result["engine_ops_per_step"]
-        lines.append(f"Engine operations per step beyond the model: fp32 {e['fp32']}, bf16 {e['bf16']}")
+        lines.append("Engine operations per step beyond the model: " + ", ".join(f"{p} {n}" for p, n in e.items()))
     if "syncs_per_microbatch" in result:
+        where = result["syncs"].get("pp_ranks_on")
+        pps = " and ".join(f"pp = {k[len('syncs_pp'):]}" for k in result if k.startswith("syncs_pp"))
         lines.append(f"Host syncs: {result['syncs_per_microbatch']:g} per micro-batch, {result['syncs_per_step']:g} per "
-                     f"step (worst rank, pp = 1 and pp = {result['syncs']['pp']}; {result['syncs']['method']})")
+                     f"step (worst rank, {pps}{f', pp > 1 on {where}' if where else ''}; {result['syncs']['method']})")
     if "graph_breaks" in result:
         c = result["compilations_per_layer_kind"]
         lines.append(f"Compiled layers: {result['graph_breaks']} graph breaks; graphs per kind: encoder {c['encoder']}, "
                      f"decoder {c['decoder']} over {len(SHAPES) + 1} training and 2 evaluation micro-batches "
                      f"(compiling took {result['compile_seconds']})")
     return "\n".join(lines)
+
+
+def _worst(counted: dict[int, dict]) -> dict:
+    """The sync counts of every launch so far (`syncs_pp<N>`) as bench.json's summary keys: the
+    worst rank's per micro-batch and per step."""
+    ranks = [r for c in counted.values() for r in c["ranks"]]
+    where = next((c["pp_ranks_on"] for c in counted.values() if c["pp_ranks_on"]), None)
+    return {"syncs": {"pp": max(counted), "ranks": ranks, "method": ranks[0]["method"], "pp_ranks_on": where},
+            "syncs_per_microbatch": max(r["per_microbatch"] for r in ranks),
+            "syncs_per_step": max(r["per_step"] for r in ranks)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -386,25 +286,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--src", type=int, default=24, help="source tokens (24)")
     parser.add_argument("--tgt", type=int, default=20, help="target tokens (20)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages of the sync count's launch (2; 1: none)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: engine, syncs, compiled")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: layers, engine, syncs, "
+                        "compiled, pp1 (the in-process sync count: with --pp > 1, the launch alone)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-ops"), help="output folder")
-    parser.add_argument("--syncs-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--data-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--jsonl", help="also append each result as it comes, one JSON line, to this file "
+                        "(the GPU check's results.jsonl)")
     args = parser.parse_args(argv)
-    if args.syncs_worker:
-        syncs_worker(args.config, args.data_dir, args.work, args.result, args.set)
     from trainer.config import ConfigError, load_config
 
     skip = {p for p in args.skip.split(",") if p}
-    unknown = skip - {"engine", "syncs", "compiled"}
+    unknown = skip - {"layers", "engine", "syncs", "compiled", "pp1"}
     for flag, value in (("--batch", args.batch), ("--src", args.src), ("--tgt", args.tgt), ("--pp", args.pp)):
         if value < 1:
             raise ConfigError(f"{flag} {value}: must be >= 1")
     if unknown:
-        raise ConfigError(f"--skip {args.skip}: unknown part {sorted(unknown)[0]}; choose from engine, syncs, compiled")
+        raise ConfigError(f"--skip {args.skip}: unknown part {sorted(unknown)[0]}; choose from layers, engine, syncs, compiled, pp1")
     cfg = load_config(args.config, sets=args.set)
     model = _model(cfg)
     import torch
@@ -413,12 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     result: dict = {"config": args.config, "model": dataclasses.asdict(model),
                     "batch": {"sentences": args.batch, "source": args.src, "target": args.tgt}}
-    layers = count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip)
-    result["kernel_ops_per_layer"] = layers
-    result["output_cost_ratio"] = output_cost_ratio(model)
-    result["logit_cost"] = (result["output_cost_ratio"] - 1) * 6 * model.d_model
+
+    def emit(update: dict) -> None:
+        """Keep `update` at once: in bench.json, rewritten whole, and as one line of --jsonl."""
+        result.update(update)
+        write_json(os.path.join(args.out, "bench.json"), result)
+        if args.jsonl:
+            append_jsonl(args.jsonl, {"part": "ops", "result": update})
+
+    emit({})
+    if "layers" not in skip:
+        emit({"kernel_ops_per_layer": count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip)})
+        ratio = output_cost_ratio(model)
+        emit({"output_cost_ratio": ratio, "logit_cost": (ratio - 1) * 6 * model.d_model})
     if "compiled" not in skip:
-        result.update(compilations(model))
+        emit(compilations(model))
     if not skip >= {"engine", "syncs"}:
         from data.prepare import prepare_data
         from parallel.engine import setup_distributed
@@ -431,20 +336,23 @@ def main(argv: list[str] | None = None) -> int:
         if "engine" not in skip:
             one = dataclasses.replace(cfg.parallel, pipeline_stages=1, data_parallel=1, tensor_parallel=1)
             single = dataclasses.replace(cfg, parallel=one)
-            counts = {p: engine_ops_per_step(single, p, data_dir, os.path.join(work, p)) for p in ("fp32", "bf16")}
-            result["engine_ops_per_step"] = {p: c["beyond_model"] for p, c in counts.items()}
-            result["engine_ops_detail"] = counts
+            counts = {}
+            for p in ("fp32", "bf16"):
+                counts[p] = engine_ops_per_step(single, p, data_dir, os.path.join(work, p))
+                emit({"engine_ops_per_step": {q: c["beyond_model"] for q, c in counts.items()},
+                      "engine_ops_detail": dict(counts)})
         if "syncs" not in skip:
-            ranks = [sync_counts(_trainer(cfg, data_dir, os.path.join(work, "pp1")))]
+            counted: dict[int, dict] = {}
+            if "pp1" not in skip or args.pp == 1:
+                counted[1] = {"ranks": [sync_counts(new_trainer(cfg, data_dir, os.path.join(work, "pp1")))],
+                              "pp_ranks_on": None}
+                emit({"syncs_pp1": counted[1], **_worst(counted)})
             if args.pp > 1:
-                ranks += _launch_syncs(args.config, args.pp, data_dir, work, args.set)
-            result["syncs"] = {"pp": args.pp, "ranks": ranks, "method": ranks[0]["method"]}
-            result["syncs_per_microbatch"] = max(r["per_microbatch"] for r in ranks)
-            result["syncs_per_step"] = max(r["per_step"] for r in ranks)
+                ranks, where = launch_syncs(args.config, args.pp, data_dir, work, args.set)
+                counted[args.pp] = {"ranks": ranks, "pp_ranks_on": where}
+                emit({f"syncs_pp{args.pp}": counted[args.pp], **_worst(counted)})
     text = table(result)
     print(text)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(text + "\n")
     print(f"written to {args.out}/bench.json and bench.md")

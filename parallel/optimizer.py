@@ -21,7 +21,8 @@ DeepSpeed's bf16 ones). What it changes is the work per micro-batch and per step
   (zero-bubble's deferred weight passes) are folded by that engine calling `fold_lp_grads`.
 * The global norm: DeepSpeed's selection (the tied embedding's pipeline copies and
   tensor-parallel duplicates left out) by one `torch._foreach_norm`, then DeepSpeed's stack, sum,
-  all-reduce over the model-parallel group, root and non-finite mask: the same fp32 value as
+  all-reduce over the model-parallel group, root and non-finite mask (one `nan_to_num_`: DeepSpeed's
+  mask copies its -1 from the host, a blocking copy on a GPU): the same fp32 value as
   `get_global_norm_of_tensors` on CPU.
 * Clipping and fp16's unscaling: one `mul_` per flat group by min(1, c / (‖g‖ + 1e-6)) / scale
   (DeepSpeed's coefficient expression; × 1.0 is exact, so multiplying unconditionally equals its
@@ -54,7 +55,7 @@ from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-from deepspeed.runtime.utils import all_gather_dp_groups, is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+from deepspeed.runtime.utils import all_gather_dp_groups, is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from torch._utils import _flatten_dense_tensors
 
@@ -185,7 +186,8 @@ class FlatOptimizer(BF16_Optimizer):
     # ---- per step ----------------------------------------------------------------------------
     def _global_norm(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """get_global_norm_of_tensors (L2): per-tensor fp32 norms stacked, squared, summed,
-        all-reduced over the model-parallel group (the pipeline's stages), rooted, inf/nan → -1."""
+        all-reduced over the model-parallel group (the pipeline's stages), rooted, inf/nan → -1;
+        nothing read or copied from the host."""
         if tensors:
             total = torch.stack(torch._foreach_norm(tensors, 2.0)).pow(2.0).sum()
         else:
@@ -193,8 +195,9 @@ class FlatOptimizer(BF16_Optimizer):
         if self._norm_group is not None and dist.get_world_size(group=self._norm_group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self._norm_group)
         total = total.pow(1. / 2.0)
-        mask_nan_or_inf_with_val_inplace(total, device=total.device)
-        return total
+        # inf/nan → -1 as DeepSpeed's mask_nan_or_inf_with_val_inplace, in one kernel and without
+        # its torch.tensor(-1.0, device=…): a blocking host-to-device copy on a GPU
+        return total.nan_to_num_(nan=-1.0, posinf=-1.0, neginf=-1.0)
 
     @torch.no_grad()
     def step(self, closure=None):

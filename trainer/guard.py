@@ -60,6 +60,7 @@ class DivergenceGuard:
         travels in the decision's all-reduce: no collective of its own per step)."""
         self.step_loss: float | None = None
         """The last decided step's loss (mean over its micro-batches and replicas)."""
+        self._constants: dict[float, torch.Tensor] = {}
         self._install(engine.optimizer)
 
     # ---- state kept in checkpoints (the spike check's window must survive a resume) ----------
@@ -72,13 +73,21 @@ class DivergenceGuard:
             self.events = list(state.get("events", []))
 
     # ---- the decision, inside the optimizer step ---------------------------------------------
+    def _constant(self, value: float) -> torch.Tensor:
+        """A one-element float64 device tensor of `value`, made once by a fill kernel (never copied
+        from the host: `torch.tensor(x, device=…)` is a blocking host-to-device copy on a GPU)."""
+        if value not in self._constants:
+            self._constants[value] = torch.full((1,), value, dtype=torch.float64, device=self.layout.device)
+        return self._constants[value]
+
     def _flags(self) -> torch.Tensor:
         """(this rank's share of the step's loss, its preemption flag), on the device, read from
-        nothing on the host: the loss share stays a device tensor."""
+        nothing on the host and copied from nothing there: the loss share stays a device tensor,
+        the flag is one of two constant device tensors."""
         e = self.engine
-        extra = torch.tensor([float(signals.stop.checkpoint)], dtype=torch.float64, device=self.layout.device)
+        extra = self._constant(float(signals.stop.checkpoint))
         if not self.layout.last_stage or self.layout.tp_rank != 0 or e.total_loss is None:
-            return torch.cat([extra.new_zeros(1), extra])
+            return torch.cat([self._constant(0.0), extra])
         return torch.cat([e.total_loss.detach().reshape(1).to(torch.float64), extra])
 
     def decide_on_device(self, norm: torch.Tensor, scale: float = 1.0, scaled: bool = False) -> tuple[bool, float]:
