@@ -41,6 +41,23 @@ DEVICES: dict[str, dict] = {
 E_MAX, T_HALF, D_HALF = 0.6, 1500.0, 256.0
 _MEASURED = "docs/bench/gpu-{key}/train.json"
 DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
+ALIASES = {"v100": "v100-32gb", "a100": "a100-80gb", "h100": "h100-80gb"}
+"""Short names of the GPU types (`--gpu a100`): each has one memory size here."""
+
+
+def gpu_type(name: str) -> str:
+    """The DEVICES key of a GPU type as a user writes it: a key or an alias, in any case; a
+    ValueError naming the known types (and the nearest) for anything else."""
+    import difflib
+
+    text = name.strip().lower()
+    key = ALIASES.get(text, text)
+    if key in DEVICES:
+        return key
+    known = ", ".join(f"{key} ({alias})" for alias, key in ALIASES.items())
+    near = difflib.get_close_matches(text, [*DEVICES, *ALIASES], n=1, cutoff=0.6)
+    hint = f"did you mean {ALIASES.get(near[0], near[0])}? " if near else ""
+    raise ValueError(f"--gpu {name}: not a GPU type the planner knows; {hint}known: {known}")
 
 
 def estimated_efficiency(d_model: int, tokens: float) -> float:
@@ -120,6 +137,4 @@ def cpu_device(peak_flops_per_rank: float, memory_bytes: float) -> Device:
 
 
 def device(key: str, **overrides) -> Device:
-    if key not in DEVICES:
-        raise ValueError(f"--gpu {key!r}: choose one of {sorted(DEVICES)}")
-    return Device(**{**DEVICES[key], **overrides})
+    return Device(**{**DEVICES[gpu_type(key)], **overrides})

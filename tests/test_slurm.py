@@ -87,6 +87,7 @@ def submit(env: dict, run_dir: str, data_dir: str, config: str = CONFIG, partiti
     os.symlink(data_dir, os.path.join(run_dir, "data"))  # the session's prepared tiny corpus
     proc = subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", config, "--nodes", "2",
                            "--gpus-per-node", "0", "--partition", partition, "--run-dir", run_dir,
+                           "--cpus-per-task", "1",  # two jobs side by side on the 2-CPU nodes
                            *([] if script_values else ["--submit"])],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,7 +1,10 @@
-"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb: which layout, how fast, how long.
+"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb (or v100, a100, h100): which
+layout, how fast, how long.
 
 MODEL is a run config (a path, or the name of one in configs/); its own layout is priced as a row
-of the same table, and the best layout is printed as the config keys that give it."""
+of the same table (for a cluster its clusters: section lays out, that entry's layout: same GPU
+type and count), and the best layout is printed as the config keys that give it. Nothing is
+written but --markdown's file."""
 from __future__ import annotations
 
 import argparse
@@ -9,29 +12,32 @@ import functools
 import math
 import os
 
-from launcher.options import add_set_argument, caller_cwd, user_path
+from launcher.options import caller_cwd, user_path
 from trainer.config import ConfigError, RunConfig
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from planner.devices import DEVICES
+    from planner.devices import ALIASES
     from planner.planner import named_shapes
 
     parser.add_argument("model", help=f"a YAML run config, or the name of one in configs/: {', '.join(named_shapes())}")
-    parser.add_argument("--gpus", type=int, help="GPUs in the job (default: the config's pp × tp × dp)")
-    parser.add_argument("--gpu", required=True, choices=sorted(DEVICES), help="GPU type")
-    parser.add_argument("--nodes", type=int, help="nodes (default: GPUs / 8); GPUs per node = gpus / nodes")
+    parser.add_argument("--gpus", type=int, help="GPUs in the job (default: those of the config's clusters: entry "
+                                                 "for --gpu where it has one, else its pp × tp × dp)")
+    parser.add_argument("--gpu", required=True, metavar="TYPE",
+                        help="GPU type: " + ", ".join(f"{key} ({alias})" for alias, key in ALIASES.items()))
+    parser.add_argument("--nodes", type=int, help="nodes (default: as the clusters: entry compared with, else "
+                                                  "GPUs / 8); GPUs per node = gpus / nodes")
     parser.add_argument("--precision", help="fp16 | bf16 (default: fp16 on V100, bf16 on A100/H100)")
     parser.add_argument("--mfu", type=float,
                         help="fraction of peak the kernels reach, before bubble and communication (default: "
                              "planner/devices.py kernel_efficiency: measured per GPU type where its GPU check is committed, "
                              "else one estimate for every type by model width and micro-batch size)")
     parser.add_argument("--global-batch-tokens", type=int,
-                        help="target tokens per optimizer step (default: the config's own, data_parallel × "
-                             "micro_batches × max_tokens, in sentences of --seq-len tokens), so that the "
-                             "candidates train the batch the config trains")
+                        help="target tokens per optimizer step (default: the config's own, or its clusters: "
+                             "entry's, data_parallel × micro_batches × max_tokens, in sentences of --seq-len "
+                             "tokens), so that the candidates train the batch the config trains")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per source and per target sentence (32)")
     parser.add_argument("--microbatch-tokens", default="1024,2048,4096,8192",
                         help="target tokens per micro-batch to try, comma-separated")
@@ -44,14 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", choices=("on", "off"), help="only with / without activation checkpointing")
     parser.add_argument("--top", type=int, default=8, help="rows in the table (8)")
     parser.add_argument("--markdown", type=user_path, help="also write the table and the explanation to this file")
-    add_set_argument(parser)
+    parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
+                        help="change one key of the config before it is planned, e.g. --set train.micro_batches=8 "
+                             "(repeatable; typed and checked like the YAML file; over a clusters: entry's keys); "
+                             "plan writes no config")
 
 
-def load_run_config(spec: str, sets: list[str]) -> RunConfig:
-    """The run config `spec` names: a path from the caller's folder, or a config in configs/ by its
-    name; `sets` applied. Its model's vocabulary comes from its data section when it has none."""
+def config_path(spec: str) -> str:
+    """The file of the run config `spec` names: a path from the caller's folder, or a config in
+    configs/ by its name."""
     from planner.planner import CONFIG_DIR, named_model
-    from trainer.config import load_config
 
     path = user_path(spec)
     if not os.path.exists(path):
@@ -61,7 +69,15 @@ def load_run_config(spec: str, sets: list[str]) -> RunConfig:
                 named_model(spec)  # its message names the configs there are
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    cfg = load_config(path, sets=sets, cwd=caller_cwd())
+    return path
+
+
+def load_run_config(spec: str, sets: list[str], cluster: str | None = None) -> RunConfig:
+    """The run config `spec` names (`config_path`), its `cluster` layout and `sets` applied. Its
+    model's vocabulary comes from its data section when it has none."""
+    from trainer.config import load_config
+
+    cfg = load_config(config_path(spec), cluster=cluster, sets=sets, cwd=caller_cwd())
     cfg.model.vocab_size = cfg.model.vocab_size or cfg.data.vocab_size
     return cfg
 
@@ -76,7 +92,7 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.devices import DEFAULT_PRECISION, device
+    from planner.devices import DEFAULT_PRECISION, device, gpu_type
     from planner.planner import search
     from planner.report import config_snippet, explain, own_row, params_of, table
 
@@ -91,7 +107,17 @@ def run(args: argparse.Namespace) -> int:
                         ("--flops", args.flops), ("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"{flag} {value}: must be a positive number")
+    try:
+        args.gpu = gpu_type(args.gpu)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     cfg = load_run_config(args.model, args.sets)
+    cluster = cluster_for(cfg, args.gpu, args.gpus)
+    if cluster is not None:  # the config's own layout for this cluster
+        entry = cfg.clusters[cluster]
+        cfg = load_run_config(args.model, args.sets, cluster)
+        args.gpus = args.gpus or entry.nodes * entry.gpus_per_node
+        args.nodes = args.nodes or entry.nodes
     model = cfg.model
     args.gpus = args.gpus or cfg.world_size
     if args.global_batch_tokens is None:
@@ -127,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--microbatch-tokens {args.microbatch_tokens}: every value must be >= 1")
     fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
                            seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
-    own = _own_plan(cfg, model, dev, args, precision)
+    own = _own_plan(cfg, model, dev, args, precision, cluster)
     keep = [_ints(args.pp, "--pp"), _ints(args.tp, "--tp")]
     ckpt = None if args.checkpoint is None else args.checkpoint == "on"
 
@@ -168,14 +194,34 @@ def run(args: argparse.Namespace) -> int:
     return 0 if fits else 1
 
 
-def _own_plan(cfg: RunConfig, model, dev, args: argparse.Namespace, precision: str) -> tuple:
-    """(the config's own layout priced like the candidates, a note on what differs from the
-    config): its precision where the GPU type has it, else the planned one."""
+def cluster_for(cfg: RunConfig, gpu: str, gpus: int | None) -> str | None:
+    """The config's clusters: entry laid out for `gpus` GPUs of type `gpu` (with `gpus` None: the
+    one entry for that type), or None."""
+    from planner.devices import gpu_type
+
+    def of_type(name: str) -> bool:
+        try:
+            return gpu_type(cfg.clusters[name].gpu) == gpu
+        except ValueError:  # an entry sized for a GPU the planner does not know
+            return False
+
+    names = [name for name in cfg.clusters if of_type(name)]
+    if gpus is None:
+        return names[0] if len(names) == 1 else None
+    return next((name for name in names if cfg.clusters[name].nodes * cfg.clusters[name].gpus_per_node == gpus),
+                None)
+
+
+def _own_plan(cfg: RunConfig, model, dev, args: argparse.Namespace, precision: str, cluster: str | None) -> tuple:
+    """(the config's own layout priced like the candidates, a note on which layout it is and what
+    differs from the config): its precision where the GPU type has it, else the planned one."""
     from planner.planner import plan
     from planner.report import config_layout
 
     mine = cfg.parallel.precision
-    note = "" if mine in dev.peak_tflops else f"priced in {precision}: {dev.name} has no {mine}"
+    notes = [f"clusters.{cluster}"] if cluster else []
+    notes += [] if mine in dev.peak_tflops else [f"priced in {precision}: {dev.name} has no {mine}"]
+    note = "; ".join(notes)
     layout = config_layout(cfg.parallel, cfg.train, cfg.data.max_tokens, args.seq_len,
                            mine if mine in dev.peak_tflops else precision)
     return plan(model, layout, dev, args.mfu), note

@@ -9,10 +9,11 @@ import shutil
 import subprocess
 import sys
 
-from launcher.options import add_config_arguments, caller_cwd, run_dir_override
+from data.errors import DataError
+from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from launcher.preflight import check_resume, check_run_dir
-from launcher.slurm import JobSpec, resolved_config_text, write_job
-from trainer.config import ConfigError, load_config
+from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
+from trainer.config import ConfigError, RunConfig, load_config, parse_set
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
 
@@ -26,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs per node, one rank each; 0 runs on CPU nodes with gloo")
     parser.add_argument("--tasks-per-node", type=int,
                         help="CPU nodes only: ranks per node (default: all ranks spread evenly)")
-    parser.add_argument("--cpus-per-task", type=int, help="CPUs per rank (sets OMP_NUM_THREADS)")
+    parser.add_argument("--cpus-per-task", type=int,
+                        help="CPUs per rank (sets OMP_NUM_THREADS; default: the node's CPUs as sinfo reports "
+                             "them for --partition, divided by its GPUs, or on CPU nodes by its ranks)")
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--time", help="time limit, e.g. 2-00:00:00; the job checkpoints and "
                                        "requeues itself --signal-before seconds earlier")
@@ -35,7 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds before the time limit to checkpoint and requeue (default 300: "
                              "the current step plus saving a multi-GB checkpoint)")
     parser.add_argument("--name", help="job name (default: the config file's name)")
+    parser.add_argument("--keep-batch", action="store_true",
+                        help="where --set changes data_parallel × train.micro_batches × data.max_tokens, scale "
+                             "train.micro_batches to keep the config's tokens per step (or the nearest fit, named)")
     parser.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="write the script even without the corpus (saying what is missing); submit nothing")
 
 
 def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int]:
@@ -113,22 +121,98 @@ def _command_line(args: argparse.Namespace) -> str:
             words += ["--" + flag.replace("_", "-"), str(value)]
     for item in args.sets:
         words += ["--set", item]
-    return shlex.join(words)
+    return shlex.join(words + (["--keep-batch"] if args.keep_batch else []))
+
+
+def _keep_promises(args: argparse.Namespace, cfg: RunConfig) -> tuple[RunConfig, str, str]:
+    """The tokens per step of the config as written (its --cluster layout applied) against those
+    --set gives: a change is said, or with --keep-batch undone by scaling train.micro_batches (the
+    nearest fit where none is exact, named). Returns the config, the line to print before the job
+    is written, and where the tokens per step differ from the file's, what the file's are."""
+    tokens, product = tokens_per_step(cfg)
+    if not args.sets:
+        return cfg, "", ""
+    try:
+        written = load_config(args.config, run_dir_override(args), cluster=args.cluster, cwd=caller_cwd())
+    except ConfigError:  # only the --set values make it a valid config: nothing to compare
+        return cfg, "", ""
+    before, before_product = tokens_per_step(written)
+    if before == tokens:
+        return cfg, "", ""
+    origin = shown_path(args.config) + (f" with clusters.{args.cluster}" if args.cluster else "")
+    per_micro_batch = cfg.parallel.data_parallel * cfg.data.max_tokens
+    fit = max(1, round(before / per_micro_batch))
+    exact = fit * per_micro_batch == before
+    if not args.keep_batch:
+        said = (f"warning: --set {' '.join(args.sets)} changes the tokens per step (data_parallel × "
+                f"train.micro_batches × data.max_tokens) from {origin}'s {before_product} = {before:,} to "
+                f"{product} = {tokens:,}; --keep-batch sets train.micro_batches={fit} for "
+                f"{f'{before:,}' if exact else f'the nearest fit, {fit * per_micro_batch:,}'}")
+        return cfg, said, f" ({origin}: {before:,})"
+    if any(parse_set(item)[0] == "train.micro_batches" for item in args.sets):
+        raise ConfigError("--keep-batch chooses train.micro_batches itself; leave out --set train.micro_batches "
+                          "or --keep-batch")
+    kept = load_config(args.config, run_dir_override(args), cluster=args.cluster,
+                       sets=[*args.sets, f"train.micro_batches={fit}"], cwd=caller_cwd())
+    after, product = tokens_per_step(kept)
+    how = ("as" if exact else f"the nearest fit to {before:,} (an exact one needs "
+           f"{before / per_micro_batch:.2f} micro-batches) of")
+    said = (f"--keep-batch: train.micro_batches {cfg.train.micro_batches} → {fit}: {product} = {after:,} tokens "
+            f"per step, {how} {origin}")
+    return kept, said, "" if exact else f" ({origin}: {before:,})"
+
+
+def _cpus_per_task(args: argparse.Namespace, gpus: int, tasks: int) -> tuple[int, str]:
+    """--cpus-per-task, or the node's CPUs (sinfo; else this machine's, said to be a guess) divided
+    by its GPUs (CPU nodes: by its ranks); and the script's header line saying which."""
+    if args.cpus_per_task:
+        return args.cpus_per_task, f"CPUs per rank: --cpus-per-task={args.cpus_per_task}, as given"
+    share = f"{gpus} GPUs" if gpus else f"{tasks} ranks per node"
+    cpus, how = node_cpus(args.partition)
+    if cpus is not None:
+        n = max(1, cpus // (gpus or tasks))
+        return n, f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs per node ({how}) / {share}"
+    cpus = os.cpu_count() or 1
+    n = max(1, cpus // (gpus or tasks))
+    print(f"note: --cpus-per-task {n} assumes nodes like this machine ({cpus} CPUs / {share}): {how}; "
+          "give --cpus-per-task for the compute nodes", file=sys.stderr)
+    return n, (f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs / {share}, this machine's CPUs ({how}), "
+               "assumed to be a node's; regenerate with --cpus-per-task for other nodes")
 
 
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
+    if args.dry_run and args.submit:
+        raise ConfigError("--dry-run submits nothing; leave out --submit (or --dry-run)")
     cfg = load_config(args.config, run_dir_override(args), cluster=args.cluster, sets=args.sets, cwd=caller_cwd())
     cluster = cfg.clusters.get(args.cluster) if args.cluster else None
     _check_job_flags(args)
     nodes, gpus, tasks = _layout_flags(args, cfg, cluster)
+    cfg, said, promised = _keep_promises(args, cfg)
     # The checks of ./run.sh train and prepare, before anything is written: a job that would fail
     # on them fails here rather than after it was queued. (The device is the compute nodes': the
     # job's ranks check it.)
     check_run_dir(cfg, args.config)
     check_resume(cfg, args.config)
-    check_corpus(cfg.data)
+    missing = None
+    try:
+        check_corpus(cfg.data)
+    except DataError as e:
+        if not args.dry_run:
+            raise
+        missing = str(e)
+    if said:  # every check passed; nothing is written yet
+        print(said, file=sys.stderr)
+    if missing:
+        print(f"note: --dry-run: {missing}; the script is written without it, and its data step needs it",
+              file=sys.stderr)
+    cpus, cpus_note = _cpus_per_task(args, gpus, tasks)
+    tokens, product = tokens_per_step(cfg)
+    notes = [f"Tokens per step: data_parallel × train.micro_batches × data.max_tokens = {product} = "
+             f"{tokens:,}{promised}", cpus_note]
+    if missing:
+        notes.append(f"Written with --dry-run without the corpus: {missing}")
     run_dir = os.path.abspath(cfg.run_dir)
     cfg.run_dir = run_dir
     p = cfg.parallel
@@ -137,15 +221,21 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, config=os.path.join(run_dir, "slurm", "config.yaml"),
         nodes=nodes, gpus_per_node=gpus, tasks_per_node=tasks,
         layout=f"pp={p.pipeline_stages} × tp={p.tensor_parallel} × dp={p.data_parallel}",
-        cpus_per_task=args.cpus_per_task, partition=args.partition, time=args.time,
+        cpus_per_task=cpus, partition=args.partition, time=args.time,
         account=args.account, signal_before=args.signal_before,
-        command=_command_line(args),
+        command=_command_line(args), notes=tuple(notes),
     )
     source = f"{args.config} with --set {' '.join(args.sets)}" if args.sets else args.config
+    source += " and --keep-batch" if args.keep_batch and args.sets else ""
     script = write_job(spec, resolved_config_text(cfg, source, args.cluster))
     with open(script, encoding="utf-8") as f:
         print(f.read())
     print(f"wrote {script}\n  and {spec.config}", file=sys.stderr)
+    if args.dry_run:
+        then = (f"once the corpus is there: {_command_line(args)} --submit" if missing
+                else f"submit with: sbatch {script}")
+        print(f"--dry-run: nothing submitted; {then}", file=sys.stderr)
+        return 0
     if not args.submit:
         print(f"submit with: sbatch {script}", file=sys.stderr)
         return 0
