@@ -1,49 +1,62 @@
 """`./run.sh bench train` on a GPU: the shapes the paper's models put on one device, in bf16, eager
 and with compiled layers, at 2k, 4k and 8k target tokens per micro-batch.
 
-    ./run.sh bench train [--shapes a,b] [--tokens 2048,4096,8192] [--variants eager,compiled]
-                         [--steps 6] [--warmup 3] [--out DIR]
+    ./run.sh bench train [--shapes a,b] [--tokens 4096,8192,2048] [--variants compiled,eager]
+                         [--steps 5] [--warmup 2] [--out DIR]
     python -m bench.gpu --device cpu --shapes tiny ...        (a rehearsal on the CPU)
 
 Each shape and variant trains in its own process (a DeepSpeed engine is never freed: bench/worker.py
-says why) with the real engine of this trainer (parallel/engine.py at pp = 1: FlatOptimizer with
-fp32 master weights, ZeRO-1, AdamW; the divergence guard's one read per step; micro-batch shapes
-told to the engine as the trainer tells them), on synthetic token ids: 4 micro-batches per
-optimizer step of 128 + 128 tokens per sentence pair, as many pairs as the micro-batch's target
-tokens allow. Measured per micro-batch size, after `--warmup` steps, over `--steps` steps timed
-with the device synchronised:
+says why) with the real engine of this trainer (parallel/parallelize.py `build_engine` at pp = 1:
+FlatOptimizer with fp32 master weights, ZeRO-1, AdamW; the divergence guard's one read per step;
+micro-batch shapes told to the engine as the trainer tells them), on synthetic token ids: 4
+micro-batches per optimizer step of 128 + 128 tokens per sentence pair, as many pairs as the
+micro-batch's target tokens allow, the sizes in the order given. Measured per micro-batch size,
+after `--warmup` steps, over `--steps` steps timed with the device synchronised:
 
   target tokens/s, model TFLOP/s (model/flops.py, no recomputation), MFU against the datasheet
   dense bf16 peak (planner/devices.py), the kernel efficiency the planner uses (model FLOPs over
-  the time of the forward and backward instructions alone); the GPU's busy fraction (kernel time
-  over wall time, torch.profiler, one step); kernel launches per layer and host syncs per step
-  (bench/counting.py, one step); the allocator's peak memory; compile time (parallel/compiled.py).
+  the time of the forward and backward instructions alone); the GPU's busy fraction (the union of
+  the kernels' intervals in one profiled step, over the median step: 1 − it is the host-bound
+  fraction); kernel launches per layer and host syncs per step (bench/counting.py, one step); the
+  allocator's peak so far; the first step's seconds and the compile seconds and graphs per layer
+  kind so far (parallel/compiled.py), with inductor's cache hits and misses.
 
-Shapes: `layers-d1024` (12 layers of 100L-100L d=1024, FFN 4096, 16 heads, a 8k vocabulary so that
-the output layer does not mask the layers' efficiency), `last-stage-128k` (4 decoder layers of it
-with the output layer and loss at the paper's 128k vocabulary: the last stage of a pipeline),
-`6L-6L-d512` (32k vocabulary), `tiny` (CPU rehearsal). Writes OUT/results.json and OUT/report.md.
+Every size's measurement is appended, the moment it is made, as one JSON line to OUT/rows.jsonl
+(`--jsonl` names another file: the GPU check's results.jsonl); OUT/results.json and OUT/report.md
+are rewritten from the lines after every process (bench/gpu_results.py), so a process that fails
+or is killed loses only what it had not measured, and the next shape still runs.
+
+Shapes (the layers carry the DeepNorm α of the model they come from, whatever their number, so
+that every d = 1024 shape compiles the same graph per kind and reuses the compile cache):
+`layers-d1024` (12 layers of deepnet-100-100-1024, FFN 4096, 16 heads, a 8k vocabulary so that the
+output layer does not mask the layers' efficiency), `last-stage-128k` (4 decoder layers of it with
+the output layer and loss at the paper's 128k vocabulary: the last stage of a pipeline),
+`6L-6L-d512` (32k vocabulary), `tiny` and `tiny-last` (CPU rehearsals of the first two).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import time
 
+from bench.gpu_results import append_jsonl, read_jsonl, report, train_results, write_json
 from parallel.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (encoder layers, decoder layers, d_model, heads, FFN, vocabulary)
-SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
-    "layers-d1024": (6, 6, 1024, 16, 4096, 8192),
-    "last-stage-128k": (1, 4, 1024, 16, 4096, 128000),
-    "6L-6L-d512": (6, 6, 512, 8, 2048, 32000),
-    "tiny": (2, 2, 32, 4, 64, 512),
+# name: (encoder layers, decoder layers, d_model, heads, FFN, vocabulary, (N, M) whose α the layers carry)
+SHAPES: dict[str, tuple[int, int, int, int, int, int, tuple[int, int]]] = {
+    "layers-d1024": (6, 6, 1024, 16, 4096, 8192, (100, 100)),
+    "last-stage-128k": (1, 4, 1024, 16, 4096, 128000, (100, 100)),
+    "6L-6L-d512": (6, 6, 512, 8, 2048, 32000, (6, 6)),
+    "tiny": (2, 2, 32, 4, 64, 512, (2, 2)),
+    "tiny-last": (1, 2, 32, 4, 64, 4096, (2, 2)),
 }
+SAME_PEAK = {"H200": "h100-80gb"}
+"""GPUs planner/devices.py does not list, whose dense bf16 datasheet peak is that of one it does:
+the H200 is an H100 with more and faster memory (989 TFLOP/s)."""
 SRC_LEN = TGT_LEN = 128
 MICRO_BATCHES = 4
 
@@ -51,9 +64,26 @@ MICRO_BATCHES = 4
 def model_config(shape: str, length: int):
     from model.config import ModelConfig
 
-    enc, dec, d, heads, ffn, vocab = SHAPES[shape]
+    enc, dec, d, heads, ffn, vocab, _ = SHAPES[shape]
     return ModelConfig(encoder_layers=enc, decoder_layers=dec, d_model=d, heads=heads, ffn_dim=ffn, vocab_size=vocab,
                        norm="deepnorm", dropout=0.1, max_positions=length + 2)
+
+
+def carry_alpha(module, cfg, depth: tuple[int, int]) -> dict[str, float]:
+    """Give every residual of `module`'s encoder and decoder layers the α of `cfg`'s normalisation at
+    `depth` (N, M) layers: a slice of a deep model computes with that model's α (one compiled graph
+    per kind for every slice of it; α is a constant in the graph). Before the first forward."""
+    from model.layers import DecoderLayer, EncoderLayer
+    from model.norms import PostNormResidual, resolve
+
+    encoder, decoder = resolve(cfg.norm, *depth)
+    alphas = {EncoderLayer: encoder.alpha, DecoderLayer: decoder.alpha}
+    for layer in module.modules():
+        alpha = alphas.get(type(layer))
+        for sub in layer.modules() if alpha is not None else ():
+            if isinstance(sub, PostNormResidual):
+                sub.alpha = alpha
+    return {"encoder": encoder.alpha, "decoder": decoder.alpha}
 
 
 def synthetic_batches(vocab: int, sequences: int, length: int, generator) -> list[tuple]:
@@ -69,26 +99,64 @@ def synthetic_batches(vocab: int, sequences: int, length: int, generator) -> lis
     return out
 
 
-def _busy_fraction(engine, batches) -> float:
-    """Kernel time over wall time of one step (torch.profiler's device activity); nan on a CPU."""
+def kernel_seconds(step) -> tuple[float, float]:
+    """(seconds during which the device ran work, wall seconds) of one call of `step`, profiled:
+    the union of the device events' intervals (kernels, copies, fills; overlaps across streams
+    counted once). (nan, nan) on the host."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from parallel import accelerator
 
     if accelerator.on_host():
-        return float("nan")
+        return float("nan"), float("nan")
     accelerator.synchronize()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.train_batch(iter(batches))
+        step()
         accelerator.synchronize()
     wall = time.perf_counter() - start
-    busy = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total) / 1e6
-    return busy / wall
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    if not spans:  # no device event listed: the kernels' own times summed (streams overlapping counted twice)
+        busy = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
+    return busy / 1e6, wall
 
 
-def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup: int, precision: str) -> dict:
-    """Train `shape` in this process (a world of one) at each micro-batch size; the measurements."""
+def cache_counters() -> dict[str, int]:
+    """Inductor's and AOTAutograd's compile-cache hits and misses in this process."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}_{key}": int(counters[group].get(key, 0)) for group, keys in
+            (("inductor", ("fxgraph_cache_hit", "fxgraph_cache_miss")),
+             ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss"))) for key in keys}
+
+
+def versions() -> dict[str, str]:
+    """Python, torch, deepspeed and megatron-core versions, without importing megatron (seconds)."""
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("deepspeed", "megatron-core"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup: int, precision: str,
+            jsonl: str, stall_after: int = 0) -> None:
+    """Train `shape` in this process (a world of one) at each micro-batch size; each size's
+    measurement appended to `jsonl` as it is made. `stall_after` N > 0: after N sizes, ignore
+    SIGTERM and hang (the GPU check's test of a part that must be killed)."""
     import torch
 
     from bench.counting import KernelCounter
@@ -96,12 +164,13 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     from model.flops import training_flops
     from parallel import accelerator, compiled
     from parallel.engine import setup_distributed
-    from parallel.parallelize import build_engine
     from parallel.layout import Layout
+    from parallel.parallelize import build_engine
     from planner import devices
     from trainer.config import RunConfig
     from trainer.guard import DivergenceGuard
 
+    started = time.perf_counter()
     setup_distributed()
     cfg = RunConfig(run_dir=os.path.join(ROOT, "runs", "bench-gpu", f"{shape}-{variant}"))
     cfg.model = model_config(shape, TGT_LEN)
@@ -111,22 +180,41 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     baseline = reset_peak_memory()  # the allocator's on GPUs, the resident set on the host
     cfg.train.compile = variant == "compiled"  # build_engine compiles the layers as the trainer's (parallelize)
     engine, module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir)
+    alpha = carry_alpha(module, cfg.model, SHAPES[shape][6])
     guard = DivergenceGuard(engine, cfg.train, layout)
     engine.step_loss = lambda: guard.step_loss
     totals, _ = instrument(engine)  # wall seconds by instruction (after a synchronize)
     key = devices.device_key(accelerator.gpu_name()) if not accelerator.on_host() else None
-    peak = devices.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
+    peak_key = key or SAME_PEAK.get(next((m for m in SAME_PEAK if m in accelerator.gpu_name().upper()), None)) \
+        if not accelerator.on_host() else None
+    peak = devices.DEVICES[peak_key]["peak_tflops"][precision] * 1e12 if peak_key else float("nan")
     layers = cfg.model.encoder_layers + cfg.model.decoder_layers
     generator = torch.Generator().manual_seed(0)
-    rows = []
-    for tokens in token_sizes:
+    try:
+        from planner import planner
+
+        largest = max(1, max(token_sizes) // TGT_LEN)
+        candidate = planner.Candidate(pp=1, tp=1, dp=1, micro_batches=MICRO_BATCHES, sequences=largest,
+                                      src_len=SRC_LEN, tgt_len=TGT_LEN, precision=precision)
+        predicted = planner.stage_memory(cfg.model, candidate, 0, devices.device(key or "h100-80gb"))["peak"] \
+            if precision != "fp32" else float("nan")
+    except Exception as e:  # the planner's estimate is a comparison, never a reason to measure nothing
+        predicted = f"not computed: {type(e).__name__}: {e}"
+    meta = {"model": list(SHAPES[shape][:6]), "alpha_depth": list(SHAPES[shape][6]), "alpha": alpha,
+            "precision": precision, "planner_peak_bytes": predicted, "micro_batches": MICRO_BATCHES,
+            "parameters": sum(p.numel() for p in module.parameters()),
+            "device": accelerator.gpu_name() if not accelerator.on_host() else HOST, "planner_device": key,
+            "peak_of": peak_key,
+            "datasheet_peak_tflops": peak / 1e12, "versions": versions(),
+            "setup_seconds": round(time.perf_counter() - started, 2)}
+
+    def step(batches):
+        guard.step_loss = None
+        engine.expect([(inputs[0].shape, inputs[1].shape) for inputs, _ in batches])
+        return engine.train_batch(iter(batches))
+
+    for done, tokens in enumerate(token_sizes):
         sequences = max(1, tokens // TGT_LEN)
-
-        def step(batches):
-            guard.step_loss = None
-            engine.expect([(inputs[0].shape, inputs[1].shape) for inputs, _ in batches])
-            return engine.train_batch(iter(batches))
-
         times = []
         for i in range(warmup + steps):
             batches = synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)
@@ -141,72 +229,54 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
         counter = KernelCounter()
         with counter:
             step(synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator))
-        busy = _busy_fraction(engine, synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator))
+        profiled = synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)
+        busy, profiled_wall = kernel_seconds(lambda: step(profiled))
         seconds = sorted(times[warmup:])[steps // 2]
         flops = sequences * MICRO_BATCHES * training_flops(cfg.model, SRC_LEN, TGT_LEN)
-        rows.append({"target_tokens_per_micro_batch": sequences * TGT_LEN, "sequences": sequences,
-                     "step_seconds_median": seconds, "step_seconds": times[warmup:],
-                     "target_tokens_per_s": sequences * TGT_LEN * MICRO_BATCHES / seconds,
-                     "model_tflops_per_s": flops / seconds / 1e12, "mfu": flops / seconds / peak,
-                     "kernel_efficiency": flops / fwd_bwd / peak if fwd_bwd else float("nan"),
-                     "gpu_busy_fraction": busy, "kernels_per_step": counter.kernels,
-                     "kernels_per_layer_per_micro_batch": counter.kernels / (layers * MICRO_BATCHES),
-                     "host_syncs_per_step": counter.syncs,
-                     "instruction_seconds_per_step": {k: v / steps for k, v in sorted(totals.items())}})
-        print(f"{shape} {variant} {sequences * TGT_LEN} tokens: {rows[-1]['target_tokens_per_s']:,.0f} tok/s, "
-              f"MFU {rows[-1]['mfu']:.1%}, busy {busy:.0%}, {counter.kernels} kernels/step", flush=True)
-    from planner import planner
+        row = {"target_tokens_per_micro_batch": sequences * TGT_LEN, "sequences": sequences,
+               "step_seconds_median": seconds, "step_seconds": times[warmup:], "warmup_seconds": times[:warmup],
+               "first_step_seconds": times[0], "target_tokens_per_s": sequences * TGT_LEN * MICRO_BATCHES / seconds,
+               "model_tflops_per_s": flops / seconds / 1e12, "mfu": flops / seconds / peak,
+               "kernel_efficiency": flops / fwd_bwd / peak if fwd_bwd else float("nan"),
+               "gpu_busy_fraction": min(1.0, busy / seconds) if busy == busy else busy, "gpu_busy_fraction_profiled": busy / profiled_wall,
+               "kernel_seconds_per_step": busy, "kernels_per_step": counter.kernels,
+               "kernels_per_layer_per_micro_batch": counter.kernels / (layers * MICRO_BATCHES),
+               "host_syncs_per_step": counter.syncs, "host_copies_per_step": counter.host_copies,
+               "instruction_seconds_per_step": {k: v / steps for k, v in sorted(totals.items())},
+               "peak_memory_bytes": peak_memory() - baseline,
+               "seconds_since_start": round(time.perf_counter() - started, 2)}
+        meta["compile"] = {k: dict(v) for k, v in compiled.stats.items()}
+        meta["compile_cache"] = cache_counters()
+        append_jsonl(jsonl, {"part": "train", "shape": shape, "variant": variant, "meta": meta, "row": row})
+        print(f"{shape} {variant} {sequences * TGT_LEN} tokens: {row['target_tokens_per_s']:,.0f} tok/s, "
+              f"MFU {row['mfu']:.1%}, busy {row['gpu_busy_fraction']:.0%}, {counter.kernels} kernels/step, "
+              f"{counter.syncs} syncs/step; {row['seconds_since_start']:.0f} s since start "
+              f"({compiled.summary()})", flush=True)
+        if stall_after and done + 1 >= stall_after:
+            import signal
 
-    largest = max(token_sizes) // TGT_LEN
-    layout_ = planner.Candidate(pp=1, tp=1, dp=1, micro_batches=MICRO_BATCHES, sequences=max(1, largest),
-                                src_len=SRC_LEN, tgt_len=TGT_LEN, precision=precision)
-    predicted = planner.stage_memory(cfg.model, layout_, 0, devices.device(key or "h100-80gb"))["peak"] \
-        if precision != "fp32" else float("nan")
-    return {"shape": shape, "variant": variant, "model": list(SHAPES[shape]), "precision": precision,
-            "planner_peak_bytes": predicted,
-            "parameters": sum(p.numel() for p in module.parameters()), "micro_batches": MICRO_BATCHES,
-            "rows": rows, "peak_memory_bytes": peak_memory() - baseline,
-            "compile": {k: dict(v) for k, v in compiled.stats.items()},
-            "device": accelerator.gpu_name() if not accelerator.on_host() else accelerator.HOST, "planner_device": key,
-            "datasheet_peak_tflops": peak / 1e12, "versions": accelerator.versions()}
-
-
-def report(results: list[dict], command: str) -> str:
-    first = results[0]
-    v = first["versions"]
-    lines = [f"# Training benchmark on {first['device']}", "", f"Command: `{command}`", "",
-             f"Versions: python {v['python']}, torch {v['torch']}, deepspeed {v['deepspeed']}, "
-             f"megatron-core {v['megatron.core']}.", "",
-             f"{first['precision']}, pp = tp = dp = 1, FlatOptimizer, ZeRO-1, {MICRO_BATCHES} micro-batches of "
-             f"(128 + 128)-token pairs per step; MFU against {first['datasheet_peak_tflops']:.0f} TFLOP/s "
-             "(datasheet, dense); kernel efficiency = model FLOPs over forward + backward time only.", "",
-             "| shape | variant | tgt tokens/µbatch | step s | target tok/s | TFLOP/s | MFU | kernel eff. | GPU busy "
-             "| kernels/layer/µbatch | syncs/step | peak GiB | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        compile_s = sum(s["seconds"] for s in r["compile"].values())
-        for row in r["rows"]:
-            lines.append(f"| {r['shape']} | {r['variant']} | {row['target_tokens_per_micro_batch']} | "
-                         f"{row['step_seconds_median']:.4f} | {row['target_tokens_per_s']:,.0f} | "
-                         f"{row['model_tflops_per_s']:.1f} | {row['mfu']:.1%} | {row['kernel_efficiency']:.1%} | "
-                         f"{row['gpu_busy_fraction']:.0%} | {row['kernels_per_layer_per_micro_batch']:.1f} | "
-                         f"{row['host_syncs_per_step']} | {r['peak_memory_bytes'] / 2**30:.2f} | {compile_s:.1f} |")
-    return "\n".join(lines) + "\n"
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            print("stalling (ignoring SIGTERM), as asked", flush=True)
+            while True:
+                time.sleep(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="run.sh bench train", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="layers-d1024,last-stage-128k,6L-6L-d512",
                         help=f"comma-separated, of {', '.join(SHAPES)}")
-    parser.add_argument("--tokens", default="2048,4096,8192", help="target tokens per micro-batch, comma-separated")
-    parser.add_argument("--variants", default="eager,compiled", help="eager, compiled or both")
-    parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps per micro-batch size (6)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (3; the compiled variant compiles in them)")
+    parser.add_argument("--tokens", default="4096,8192,2048",
+                        help="target tokens per micro-batch, comma-separated, measured in this order")
+    parser.add_argument("--variants", default="compiled,eager", help="compiled, eager or both, in this order")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per micro-batch size (5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2; the compiled variant compiles in them)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     parser.add_argument("--device", choices=("gpu", HOST), default="gpu",
                         help=f"{HOST}: a rehearsal on the host (fp32; with --shapes tiny)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-gpu"), help="output folder")
+    parser.add_argument("--jsonl", help="the file each measurement is appended to (default OUT/rows.jsonl)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--stall-after", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         tokens = [int(x) for x in args.tokens.split(",")]
@@ -216,13 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     if min(tokens) < 1 or args.steps < 1 or args.warmup < 0:
         print("error: --tokens and --steps must be >= 1, --warmup >= 0", file=sys.stderr)
         return 2
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = args.jsonl or os.path.join(args.out, "rows.jsonl")
     if args.worker:
         from parallel.engine import exit_rank
 
         shape, variant = args.worker.split(":")
-        result = measure(shape, variant, tokens, args.steps, args.warmup, args.precision)
-        with open(os.path.join(args.out, f"{shape}-{variant}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        measure(shape, variant, tokens, args.steps, args.warmup, args.precision, jsonl, args.stall_after)
         exit_rank(0)
     from parallel import accelerator
 
@@ -236,31 +306,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown shape or variant {bad[0]}; shapes: {', '.join(SHAPES)}; variants: eager, compiled",
               file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore")
     if args.device == HOST:
         env["DS_ACCELERATOR"] = HOST
     precision = "fp32" if args.device == HOST else args.precision
-    results = []
+    command = "./run.sh bench train" + (" " + " ".join(argv) if argv else "")
+    failed = []
     for shape in shapes:
         for variant in variants:
             cmd = [sys.executable, "-m", "bench.gpu", "--worker", f"{shape}:{variant}", "--tokens", args.tokens,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", precision,
-                   "--out", args.out]
+                   "--out", args.out, "--jsonl", jsonl]
             rc = subprocess.call(cmd, env=env, cwd=ROOT)
             if rc != 0:
-                print(f"error: {shape} {variant} failed (exit {rc}); its output is above", file=sys.stderr)
-                return rc
-            with open(os.path.join(args.out, f"{shape}-{variant}.json")) as f:
-                results.append(json.load(f))
-    command = "./run.sh bench train" + (" " + " ".join(argv) if argv else "")
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    text = report(results, command)
-    with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write(text)
+                failed.append(f"{shape} {variant} (exit {rc})")
+                print(f"error: {shape} {variant} failed (exit {rc}); its output is above; going on", file=sys.stderr)
+            results = train_results(read_jsonl(jsonl))
+            write_json(os.path.join(args.out, "results.json"), results)
+            text = report(results, command)
+            with open(os.path.join(args.out, "report.md"), "w") as f:
+                f.write(text)
     print(text)
-    return 0
+    if failed:
+        print("failed: " + "; ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
 
 
 # What ./run.sh bench reads (launcher/commands/bench.py): `bench train` on a machine with a GPU.

@@ -22,12 +22,13 @@ same clocks, the launcher one thread per CPU rank).
 The output layer's weight gradient is computed in the loss's forward and handed to the tied
 embedding in its backward, so its W is 0 and its F holds three matmuls of the logits' size; the
 embedding's lookup gradient is computed in B. Writes DIR/zb-costs.json (default
-runs/zb-costs) and DIR/zb-costs.md.
+runs/zb-costs) and DIR/zb-costs.md as soon as a mode is measured for every kind (the modes in the
+order given), and with `python -m bench.zb_costs ... --jsonl FILE` appends each kind's costs to FILE
+as one JSON line the moment they are measured (the GPU check: bench/gpu_results.py `cost_file`).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -186,8 +187,9 @@ def time_kind(cfg, kind: str, dtype, device, compiled: bool, batch_shape: tuple[
 
 
 def measure(cfg, precision: str, sequences: int, src_len: int, tgt_len: int, modes: list[str], timed: int = 4,
-            repeats: int = 3, log=print) -> dict:
-    """The cost file's content: per mode and layer kind, seconds per micro-batch (module docstring)."""
+            repeats: int = 3, log=print, kept=None) -> dict:
+    """The cost file's content: per mode and layer kind, seconds per micro-batch (module docstring).
+    `kept(result, mode, kind)` is called after each kind is measured (the result so far)."""
     import torch
 
     from parallel import accelerator, compiled
@@ -211,10 +213,12 @@ def measure(cfg, precision: str, sequences: int, src_len: int, tgt_len: int, mod
             costs = time_kind(cfg, kind, dtype, device, mode == "compiled" and kind in ("encoder", "decoder"),
                               (sequences, src_len, tgt_len), timed, repeats)
             result["modes"][mode][kind] = costs
+            if mode == "compiled":
+                result["compile"] = compiled.summary()
             log(f"  {mode} {kind}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.items())
                 + f" ({time.perf_counter() - start:.1f} s)")
-    if "compiled" in modes:
-        result["compile"] = compiled.summary()
+            if kept is not None:
+                kept(result, mode, kind)
     return result
 
 
@@ -257,14 +261,58 @@ def run(args) -> int:
         print(f"error: --measure-costs {args.measure_costs}: modes are eager and compiled", flush=True)
         return 2
     print(f"measuring F, B, W per layer kind at d = {cfg.d_model} ({', '.join(modes)}) ...", flush=True)
-    costs = measure(cfg, precision, args.sequences, args.seq_len, args.seq_len, modes, args.timed, args.repeats)
-    costs["model_name"] = os.path.splitext(os.path.basename(args.model))[0]
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "zb-costs.json"), "w") as f:
-        json.dump(costs, f, indent=1)
-    with open(os.path.join(out, "zb-costs.md"), "w") as f:
-        f.write(markdown(costs))
+    name = os.path.splitext(os.path.basename(args.model))[0]
+    jsonl = getattr(args, "jsonl", None)
+
+    def kept(result: dict, mode: str, kind: str) -> None:
+        """Each kind as it is measured: a JSON line (--jsonl), and the files rewritten with every
+        mode measured for all kinds (what the replay and the planner can use)."""
+        from bench.gpu_results import append_jsonl, write_json
+
+        meta = {k: v for k, v in result.items() if k != "modes"}
+        meta["model_name"] = name
+        if jsonl:
+            append_jsonl(jsonl, {"part": "costs", "meta": meta, "mode": mode, "kind": kind,
+                                 "costs": result["modes"][mode][kind]})
+        complete = {m: c for m, c in result["modes"].items() if set(KINDS) <= set(c)}
+        if complete:
+            write_json(os.path.join(out, "zb-costs.json"), {**meta, "modes": complete})
+            with open(os.path.join(out, "zb-costs.md"), "w") as f:
+                f.write(markdown({**meta, "modes": complete}))
+
+    costs = measure(cfg, precision, args.sequences, args.seq_len, args.seq_len, modes, args.timed, args.repeats,
+                    kept=kept)
+    costs["model_name"] = name
     print(markdown(costs), flush=True)
     print(f"wrote {out}/zb-costs.json, zb-costs.md")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.zb_costs`: `--measure-costs` alone, with --jsonl (the GPU check's way in)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m bench.zb_costs", description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="compiled,eager", help="eager, compiled or both, in this order")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a config name or YAML path")
+    parser.add_argument("--d-model", type=int, help="this width (FFN 4·d, d/64 heads) instead of the model's")
+    parser.add_argument("--sequences", type=int, help="pairs per micro-batch (default: data.max_tokens / --seq-len)")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per source and target sentence")
+    parser.add_argument("--precision", help="fp32 | bf16 | fp16 (default bf16 on GPUs, fp32 on CPUs)")
+    parser.add_argument("--timed", type=int, default=4, help="micro-batches per timed phase")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (the median counts)")
+    parser.add_argument("--out", default="runs/zb-costs", help="output folder")
+    parser.add_argument("--jsonl", help="append each kind's costs to this file as one JSON line")
+    args = parser.parse_args(argv)
+    args.measure_costs = args.modes
+    if args.sequences is None:
+        args.sequences = max(1, config_max_tokens(args.model) // args.seq_len)
+    return run(args)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

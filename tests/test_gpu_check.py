@@ -1,33 +1,166 @@
-"""The GPU check (bench/scripts/gpu_check.sh) rehearsed on this machine's CPU with tiny shapes:
-every part runs to the end and leaves the file the GPU run hands back, with the numbers each
-report is made of."""
+"""The GPU check (bench/scripts/gpu_check.sh, bench/gpu_check.py) rehearsed on this machine's CPU.
+
+One rehearsal runs every part at tiny shapes, one of them (eager) made to hang after its first
+result while ignoring SIGTERM: it is killed at its limit, keeps that result, and every other part's
+results, the files the planner reads and the summary (with the command that reruns just the
+missing part) still come back, in at most the 8 files a device run hands back. The rest checks
+the runner's pieces without torch: the kill of a part that ignores SIGTERM and of what it started
+in a session of its own, the budget that cuts parts, the merge of a run and its rerun, and the
+train.json the planner reads."""
 import json
 import os
 import subprocess
+import sys
+import time
 
+import pytest
+
+from bench import gpu_check, gpu_results
 from tests.conftest import ROOT
 
+HANDED_BACK = {"summary.md", "versions.txt", "results.jsonl", "train.json", "ops.json", "costs.json", "replay.md",
+               "logs.txt"}
+STALL_LIMIT = 20
 
-def test_the_gpu_check_runs_every_part_on_the_cpu(tmp_path):
-    out = tmp_path / "check"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "scripts", "gpu_check.sh"), str(out), "--rehearse"],
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    out = tmp_path_factory.mktemp("check") / "out"
+    start = time.monotonic()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "scripts", "gpu_check.sh"), str(out), "--rehearse",
+                           "--stall", "eager", "--limit", f"eager={STALL_LIMIT}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, time.monotonic() - start
+
+
+def test_every_part_comes_back_and_the_killed_one_keeps_its_first_result(rehearsal):
+    out, _ = rehearsal
     summary = (out / "summary.md").read_text()
-    for part in ("ops", "train", "costs", "replay"):
-        assert f"- {part}: exit 0 in" in summary, summary
-    handed_back = {p.name for p in out.iterdir() if p.is_file()}
-    assert {"summary.md", "versions.txt", "ops.json", "train.json", "train.md", "costs.json", "replay.md"} <= handed_back
-    assert len(handed_back) <= 8  # what a device run hands back
+    outcomes = {r["name"]: r for r in gpu_results.read_jsonl(str(out / "results.jsonl")) if r["part"] == "check"}
+    assert list(outcomes) == gpu_check.NAMES
+    for name, outcome in outcomes.items():
+        if name != "eager":
+            assert outcome["status"] == "ok", (name, outcome, summary)
+            assert f"| {name} | ok |" in summary
+    eager = outcomes["eager"]
+    assert eager["status"] == f"killed at its {STALL_LIMIT} s limit (SIGKILL: SIGTERM was ignored for 5 s)"
+    assert STALL_LIMIT + 5 <= eager["seconds"] < STALL_LIMIT + 5 + 5
+    assert "bench/scripts/gpu_check.sh OUT2 --only eager --rehearse" in summary
+    handed_back = {p.name for p in out.iterdir()}
+    assert handed_back == HANDED_BACK  # files only, at most 8: what a device run hands back
+    train = json.loads((out / "train.json").read_text())
+    assert [(r["shape"], r["variant"], len(r["rows"])) for r in train] == [
+        ("tiny-last", "compiled", 1), ("tiny", "compiled", 1), ("tiny", "eager", 1)]  # planner basis last
+    rows = {(r["shape"], r["variant"]): r["rows"][0] for r in train}
+    for row in rows.values():
+        assert row["target_tokens_per_s"] > 0 and row["host_syncs_per_step"] == 1 and row["host_copies_per_step"] == 0
+    assert rows[("tiny", "compiled")]["kernels_per_step"] < rows[("tiny", "eager")]["kernels_per_step"]
+    last = next(r for r in train if r["shape"] == "tiny-last")
+    assert last["alpha_depth"] == [2, 2] and {k: v["graphs"] for k, v in last["compile"].items()} == \
+        {"encoder": 1, "decoder": 1}
+    cache = last["compile_cache"]  # the α of the model they come from: tiny's graphs, from the cache
+    assert cache["inductor_fxgraph_cache_hit"] >= 2 and cache["inductor_fxgraph_cache_miss"] == 0, cache
+    assert "tiny compiled, 256 target tokens per micro-batch" in summary.split("## First number")[1]
+
+
+def test_the_counts_and_costs_come_back(rehearsal):
+    out, _ = rehearsal
     ops = json.loads((out / "ops.json").read_text())
     for kind in ("embedding", "encoder", "decoder", "output"):
-        assert 0 < ops["kernel_ops_per_layer"][kind]["compiled"] < ops["kernel_ops_per_layer"][kind]["eager"]
-    assert ops["graph_breaks"] == 0 and ops["compilations_per_layer_kind"] == {"encoder": 2, "decoder": 2}
-    train = json.loads((out / "train.json").read_text())
-    assert [r["variant"] for r in train] == ["eager", "compiled"]
-    for r in train:
-        row = r["rows"][0]
-        assert row["target_tokens_per_s"] > 0 and row["host_syncs_per_step"] == 1 and row["kernels_per_step"] > 0
-    assert train[1]["rows"][0]["kernels_per_step"] < train[0]["rows"][0]["kernels_per_step"]
+        assert ops["kernel_ops_per_layer"][kind]["eager"] > 0
+    assert 0 < ops["engine_ops_per_step"]["fp32"] <= ops["engine_ops_per_step"]["bf16"]
+    one = ops["syncs_pp1"]["ranks"]
+    assert [(r["per_microbatch"], r["per_step"], r["host_copies_per_step"]) for r in one] == [(0.0, 1.0, 0.0)]
+    two = ops["syncs_pp2"]["ranks"]
+    assert [(r["per_microbatch"], r["per_step"]) for r in two] == [(0.0, 1.0), (0.0, 1.0)]
     costs = json.loads((out / "costs.json").read_text())
-    assert costs and "| 2 |" in (out / "replay.md").read_text()
+    assert set(costs["modes"]) == {"eager"} and set(costs["modes"]["eager"]) == {"embed", "encoder", "decoder", "output"}
+    assert "| 2 |" in (out / "replay.md").read_text()
+    assert "12 skipped" in (out / "summary.md").read_text()  # the GPU suite ran (and skipped, without a GPU)
+
+
+def test_nothing_of_the_check_is_left_running(rehearsal):
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if b"DEEPNET_CHECK_PART=" in f.read():
+                    left.append(pid)
+        except OSError:
+            continue
+    assert left == []
+
+
+IGNORES_TERM = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"],
+                         start_new_session=True)  # escapes the part's process group
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_a_part_that_ignores_sigterm_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "GRACE", 1)
+    pid_file = tmp_path / "child.pid"
+    part = gpu_check.Part("stubborn", (), (), 1, 1)
+    outcome = gpu_check.run_part(part, [sys.executable, "-c", IGNORES_TERM, str(pid_file)], 1,
+                                 str(tmp_path / "log"), dict(os.environ))
+    assert outcome["status"] == "killed at its 1 s limit (SIGKILL: SIGTERM was ignored for 1 s)"
+    assert outcome["seconds"] < 5 and outcome["stragglers_killed"] == 1
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert _gone(child)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"  # killed, not yet reaped by init
+    except FileNotFoundError:
+        return True
+
+
+def test_the_budget_cuts_the_parts_it_has_no_time_for(tmp_path):
+    out = tmp_path / "out"
+    assert gpu_check.main([str(out), "--rehearse", "--budget", "20", "--only", "layers,replay"]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "| layers | cut: 10 s of the budget left |" in summary and "| replay | cut:" in summary
+    assert "bench/scripts/gpu_check.sh OUT2 --only layers,replay --rehearse" in summary
+    assert "No first number" in summary
+
+
+def _row(tokens: int, efficiency: float) -> dict:
+    return {"target_tokens_per_micro_batch": tokens, "kernel_efficiency": efficiency}
+
+
+def _line(shape: str, variant: str, d: int, tokens: int, efficiency: float) -> dict:
+    return {"part": "train", "shape": shape, "variant": variant, "meta": {"model": [6, 6, d, 16, 4 * d, 8192]},
+            "row": _row(tokens, efficiency)}
+
+
+def test_a_run_and_its_rerun_merge_into_the_file_the_planner_reads(tmp_path):
+    from planner.devices import measured_efficiency
+
+    first, rerun, merged = tmp_path / "a", tmp_path / "b", tmp_path / "docs" / "bench" / "gpu-h100"
+    for folder, lines in ((first, [_line("layers-d1024", "compiled", 1024, 4096, 0.33),
+                                   {"part": "check", "name": "layers", "status": "ok"},
+                                   {"part": "check", "name": "shapes", "status": "killed at its 150 s limit (SIGTERM)"}]),
+                          (rerun, [_line("last-stage-128k", "compiled", 1024, 4096, 0.21),
+                                   _line("layers-d1024", "compiled", 1024, 8192, 0.42),
+                                   {"part": "check", "name": "shapes", "status": "ok"}])):
+        folder.mkdir()
+        for line in lines:
+            gpu_results.append_jsonl(str(folder / "results.jsonl"), line)
+    from bench.gpu_summary import summary
+
+    assert gpu_check.merge(str(merged), [str(first), str(rerun)], summary) == 0
+    train = json.loads((merged / "train.json").read_text())
+    assert [(r["shape"], [row["target_tokens_per_micro_batch"] for row in r["rows"]]) for r in train] == [
+        ("last-stage-128k", [4096]), ("layers-d1024", [4096, 8192])]
+    # the planner takes the layers' efficiency (the basis), not the last stage's
+    assert measured_efficiency("h100-80gb", root=str(tmp_path)) == [(1024, 4096, 0.33), (1024, 8192, 0.42)]
+    text = (merged / "summary.md").read_text()
+    assert "| shapes | ok |" in text and "Every part completed." in text

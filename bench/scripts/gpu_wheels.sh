@@ -1,28 +1,48 @@
 #!/usr/bin/env bash
-# The packages of requirements.txt that a GPU machine's image lacks, as wheels in .whl/ for
-# bench/scripts/gpu_check.sh (a machine that cannot reach a package registry installs them from
-# there). Run on a machine that can reach PyPI, from the repository root:
+# What the GPU machine's image lacks, as prebuilt wheels in .whl/ (ignored by git), for
+# bench/scripts/gpu_check.sh to install in seconds there (pip --no-index --no-deps; nothing is built
+# or downloaded on the device). Run on a machine that reaches PyPI, from the repository root:
 #
 #   bench/scripts/gpu_wheels.sh [PYTHON_VERSION]      (default 3.12, the GPU image's)
 #
-# The images seen so far hold torch, numpy, sentencepiece, sacrebleu, tensorboard, transformers,
-# safetensors, psutil, filelock, pyyaml, tqdm, ninja, msgpack and py-cpuinfo; what is fetched here
-# is the rest. DeepSpeed 0.19.8 is published as a source archive only: gpu_check.sh builds it
-# there with its CUDA ops left to compile on first use (none of them is used).
+# Built here: DeepSpeed 0.19.8 (published as a source archive only) as a pure-Python wheel, its CUDA
+# ops left out (DS_BUILD_OPS=0: none is used; DeepSpeed would JIT-build one only if asked), by the
+# repository's .venv (its setup.py imports torch). Fetched for CPython 3.12 on manylinux x86_64:
+# DeepSpeed's and pydantic's needs, megatron-core (data preparation's indexed dataset), and the
+# bundled corpus's Django, polib and pycountry — the pins of requirements.txt where it has them,
+# else .venv's versions. The device run carries .whl (`carry: [".whl"]`, at most 64 MiB with the
+# working tree); this script prints the sizes and fails above 48 MiB.
+#
+# The image's packages the check relies on, as they are (KINDS.md lists the image; versions.txt of
+# every check records what it found): torch (2.11 there; never installed by the check), triton,
+# numpy, sentencepiece, sacrebleu, pyyaml, psutil, filelock, tqdm, tensorboard, einops, msgpack,
+# ninja, packaging, py-cpuinfo, pytest, safetensors, transformers.
 set -euo pipefail
 PYV=${1:-3.12}
 cd "$(dirname "$0")/../.."
+VENV=${DEEPNET_VENV:-.venv}
+rm -rf .whl
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 pin() { grep -E "^$1==" requirements.txt | head -1; }
+venv_pin() { "$VENV/bin/python" -c "from importlib import metadata; print('$1==' + metadata.version('$1'))"; }
+start=$SECONDS
+
+DS_BUILD_OPS=0 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w .whl \
+  "$(pin deepspeed)"
+ls .whl/deepspeed-*-py3-none-any.whl > /dev/null  # pure Python, or not at all
+
 PLATFORMS=()
 for n in 17 24 27 28 31 34 35; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-for pkg in "$(pin megatron-core)" "$(pin polib)" "$(pin Django)" "$(pin pycountry)" "$(pin ctranslate2)" \
-           hjson pydantic pydantic-core annotated-types typing-inspection asgiref sqlparse; do
+for pkg in "$(pin megatron-core)" "$(pin Django)" "$(pin polib)" "$(pin pycountry)" \
+           "$(venv_pin hjson)" "$(venv_pin pydantic)" "$(venv_pin pydantic_core)" "$(venv_pin annotated-types)" \
+           "$(venv_pin typing-inspection)" "$(venv_pin typing_extensions)" "$(venv_pin asgiref)" \
+           "$(venv_pin sqlparse)"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
-    "${PLATFORMS[@]}" -d .whl "$pkg"
+    "${PLATFORMS[@]}" -d .whl "$pkg" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 done
-python3 -m pip download -q --no-deps --no-binary=:all: -d .whl "$(pin deepspeed)"
-ls -la .whl
-echo "carry .whl with the device run (its 64 MiB limit holds these)"
+ls -l .whl | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 1048576, $9}'
+total=$(du -sm .whl | cut -f1)
+echo "$(ls .whl | wc -l) wheels, ${total} MiB, in $((SECONDS - start)) s; carry .whl with the device run"
+[ "$total" -le 48 ] || { echo "error: .whl is ${total} MiB: with the working tree it must stay under 64 MiB" >&2; exit 1; }
