@@ -17,9 +17,10 @@ after `--warmup` steps, over `--steps` steps timed with the device synchronised:
   dense bf16 peak (planner/devices.py), the kernel efficiency the planner uses (model FLOPs over
   the time of the forward and backward instructions alone); the GPU's busy fraction (the union of
   the kernels' intervals in one profiled step, over the median step: 1 − it is the host-bound
-  fraction); kernel launches per layer and host syncs per step (bench/counting.py, one step); the
-  allocator's peak so far; the first step's seconds and the compile seconds and graphs per layer
-  kind so far (parallel/compiled.py), with inductor's cache hits and misses.
+  fraction); kernel launches per layer and host syncs per step (bench/counting.py's rule, and on a
+  GPU its sync debug mode, one step); the allocator's peak so far; the first step's seconds and the
+  compile seconds and graphs per layer kind so far (parallel/compiled.py), with inductor's cache
+  hits and misses.
 
 Every size's measurement is appended, the moment it is made, as one JSON line to OUT/rows.jsonl
 (`--jsonl` names another file: the GPU check's results.jsonl); OUT/results.json and OUT/report.md
@@ -40,6 +41,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 from bench.gpu_results import append_jsonl, read_jsonl, report, train_results, write_json
 from parallel.accelerator import HOST
@@ -160,6 +162,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     import torch
 
     from bench.counting import KernelCounter
+    from bench.ops_syncs import debug_syncs
     from bench.worker import instrument, peak_memory, reset_peak_memory
     from model.flops import training_flops
     from parallel import accelerator, compiled
@@ -226,9 +229,15 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
             accelerator.synchronize()
             times.append(time.perf_counter() - start)
         fwd_bwd = (totals.get("ForwardPass", 0.0) + totals.get("BackwardPass", 0.0)) / steps
-        counter = KernelCounter()
-        with counter:
-            step(synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator))
+        counter, counted = KernelCounter(), synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)
+        with warnings.catch_warnings(record=True) as caught:  # on a GPU, its sync debug mode as well
+            warnings.simplefilter("always")
+            debug_mode = accelerator.warn_on_sync(True)
+            try:
+                with counter:
+                    step(counted)
+            finally:
+                accelerator.warn_on_sync(False)
         profiled = synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)
         busy, profiled_wall = kernel_seconds(lambda: step(profiled))
         seconds = sorted(times[warmup:])[steps // 2]
@@ -242,6 +251,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
                "kernel_seconds_per_step": busy, "kernels_per_step": counter.kernels,
                "kernels_per_layer_per_micro_batch": counter.kernels / (layers * MICRO_BATCHES),
                "host_syncs_per_step": counter.syncs, "host_copies_per_step": counter.host_copies,
+               "sync_debug_mode_per_step": debug_syncs(caught) if debug_mode else None,
                "instruction_seconds_per_step": {k: v / steps for k, v in sorted(totals.items())},
                "peak_memory_bytes": peak_memory() - baseline,
                "seconds_since_start": round(time.perf_counter() - started, 2)}

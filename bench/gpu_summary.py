@@ -36,7 +36,8 @@ def first_number(train: list[dict], rehearsal: bool) -> list[str]:
     host = 1 - busy if isinstance(busy, float) and math.isfinite(busy) else None
     return [f"**{shape} {variant}, {tokens} target tokens per micro-batch: MFU {_pct(row.get('mfu'))}, GPU busy "
             f"{_pct(busy)} (host-bound {_pct(host)}), {results.fmt(row.get('target_tokens_per_s'), ',.0f')} target "
-            f"tokens/s, {results.fmt(row.get('host_syncs_per_step'))} host syncs per step; written "
+            f"tokens/s, {results.fmt(row.get('host_syncs_per_step'))} host syncs per step (CUDA's sync debug mode: "
+            f"{results.fmt(row.get('sync_debug_mode_per_step'), '', 'not on a GPU')}); written "
             f"{results.fmt(row.get('seconds_since_start'), '.0f')} s after its process started** (first step "
             f"{results.fmt(row.get('first_step_seconds'), '.1f')} s, compile included)."]
 
