@@ -211,6 +211,7 @@ class BatchStream:
             "max_tokens": self.max_tokens,
             "window_size": self.window,
             "num_examples": len(self.dataset),
+            "directions": self.dataset.selected,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,7 +220,7 @@ class BatchStream:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.window_index, self._batches = int(state.get("window", 0)), None
         current = {**self.state_dict(), "num_examples": len(self.dataset)}
-        keys = ("seed", "temperature", "max_tokens", "window_size", "num_examples")
+        keys = ("seed", "temperature", "max_tokens", "window_size", "num_examples", "directions")
         changed = [key for key in keys if key in state and state[key] != current[key]]
         if changed:
             warnings.warn(

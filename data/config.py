@@ -32,6 +32,12 @@ class DataConfig:
     language is English or listed, and an empty list takes every pair of the folder. The tag of a
     language is ``<2code>``; English is ``<2en>``."""
 
+    directions: list[str] = field(default_factory=list)
+    """Translation directions to train on, as ``source-target`` (``en-de``: English to German
+    only); empty: both directions of every selected pair. The validation loss follows the same
+    selection; ``./run.sh eval`` still scores every direction. Read at train time, so changing it
+    prepares nothing again."""
+
     dev_size: Positive = 100
     """Gettext corpora only: minimum number of dev pairs per language."""
 
@@ -62,6 +68,13 @@ class DataConfig:
     spm_temperature: PositiveFloat = 5.0
     """Temperature over languages for that subset; 5 lifts small languages so that their
     characters and frequent words still get pieces."""
+
+    spm_model: str = ""
+    """An existing SentencePiece model to use instead of training one, so that token ids keep the
+    meaning a pretrained model learnt: a ``.model`` file, a run directory (or its prepared
+    ``data/`` folder), a checkpoint folder, or a consolidated model file. Empty: train one, unless
+    ``train.init_from`` is set, whose model it then is. Every language of the corpus needs its tag
+    in it; ``vocab_size`` and the other ``spm_*`` keys are then not used."""
 
     max_source_len: Annotated[int, Range(ge=3)] = 128
     """Longest source in tokens, counting the language tag and </s>. Every pair trains in both
@@ -122,11 +135,29 @@ class DataConfig:
         if len(set(self.languages)) != len(self.languages):
             twice = sorted({x for x in self.languages if self.languages.count(x) > 1})
             raise ValueError(f"data.languages lists {twice} more than once; list each language once")
+        self._check_directions()
         if self.corpus.startswith("bundled:") and self.corpus != BUNDLED_DJANGO:
             raise ValueError(f"data.corpus={self.corpus!r}: the bundled corpus is {BUNDLED_DJANGO!r}")
         if self.corpus == BUNDLED_DJANGO and not self.languages:
             raise ValueError("data.languages is empty: the bundled corpus needs the languages to "
                              "build, e.g. [de, fr]")
+
+    def _check_directions(self) -> None:
+        for direction in self.directions:
+            source, dash, target = direction.partition("-")
+            if not dash or source == target or "-" in target:
+                raise ValueError(f"data.directions: {direction!r} is not a direction; write source-target, "
+                                 "e.g. en-de")
+            for language in (source, target):
+                try:
+                    check_language(language, "data.directions")
+                except DataError as error:
+                    raise ValueError(str(error)) from None
+                if self.languages and language != "en" and language not in self.languages:
+                    raise ValueError(f"data.directions: {direction} needs {language!r}, which data.languages "
+                                     f"does not list ({', '.join(self.languages)}); add it there")
+        if len(set(self.directions)) != len(self.directions):
+            raise ValueError("data.directions lists a direction more than once; list each once")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields, as stored in the manifest."""
@@ -135,8 +166,12 @@ class DataConfig:
     def preparation_key(self) -> dict[str, Any]:
         """The fields that change the prepared files. Batching fields (``max_tokens``,
         ``sampling_temperature``) are read at train time and ``workers`` changes only the speed,
-        so changing them must not redo the preparation."""
+        so changing them must not redo the preparation; nor does ``directions``, a selection made
+        at train time. An empty ``spm_model`` is left out, so that data prepared before the key
+        existed stays current."""
         key = self.to_dict()
-        for name in ("max_tokens", "sampling_temperature", "workers"):
+        for name in ("max_tokens", "sampling_temperature", "workers", "directions"):
             key.pop(name)
+        if not key["spm_model"]:
+            key.pop("spm_model")
         return key

@@ -36,9 +36,11 @@ def _raise_open_file_limit(shards: int) -> None:
 
 
 class PairDataset:
-    """One binarised split (``prefix`` = ``<data dir>/<split>``)."""
+    """One binarised split (``prefix`` = ``<data dir>/<split>``); with ``directions`` (``en-de``, …)
+    only those directions have examples (the others count 0: direction indices stay the
+    manifest's)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, directions: list[str] | None = None) -> None:
         self.prefix = prefix
         path = prefix + ".shards.json"
         if not os.path.exists(path):
@@ -61,6 +63,14 @@ class PairDataset:
         pair_sizes = np.array([starts[-1] for starts in self._starts], dtype=np.int64)
         self.direction_sizes = np.repeat(pair_sizes, 2)
         """Examples per direction, in the order of :attr:`directions`."""
+        self.selected = list(directions or [])
+        """The directions chosen (empty: all)."""
+        if self.selected:
+            unknown = sorted(set(self.selected) - set(self.directions))
+            if unknown:
+                raise DataError(f"data.directions: {', '.join(unknown)} not in {path} (it has "
+                                f"{', '.join(self.directions)})")
+            self.direction_sizes[[d not in self.selected for d in self.directions]] = 0
         self.offsets = np.concatenate([[0], np.cumsum(self.direction_sizes)])
         """Global index of each direction's first example (last entry: the total)."""
         self._cache: dict[str, np.ndarray] = {}

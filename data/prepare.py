@@ -37,7 +37,8 @@ from data.corpus import SPLITS, CorpusPair, corpus_languages, list_pairs, select
 from data.errors import DataError
 from data.gettext_corpus import build_django_corpus, build_gettext_corpus, django_locale_root, find_catalogs
 from data.shards import Shard, output_prefix, plan_shards, shard_from_dict
-from data.spm import load_tokenizer, train_spm, write_sample
+from data.spm import load_tokenizer
+from data.spm_source import check_spm_languages, make_spm, spm_sha256
 from data.validate import (
     REASONS,
     build_report,
@@ -103,6 +104,13 @@ def _write_json(path: str, value) -> None:
 
 
 def corpus_fingerprint(cfg: DataConfig) -> str:
+    """What identifies the input: the text's (`text_fingerprint`) and, with `data.spm_model`, the
+    sha256 of that SentencePiece model (another model gives other ids)."""
+    text = text_fingerprint(cfg)
+    return f"{text}+spm-{spm_sha256(cfg.spm_model)}" if cfg.spm_model else text
+
+
+def text_fingerprint(cfg: DataConfig) -> str:
     """What identifies the input text: the names, sizes and modification times of its files
     (hashing terabytes on every launch would be too slow); for the bundled corpus the version of
     Django whose catalogs it is built from."""
@@ -211,8 +219,13 @@ def check_corpus(cfg: DataConfig) -> None:
         if missing:
             raise DataError(f"data.languages: no catalogs for {missing} under {root}; available: "
                             f"{', '.join(catalogs)}")
-        return
-    check_layout(select_pairs(list_pairs(cfg.corpus), cfg.languages))
+        languages = ["en", *(cfg.languages or catalogs)]
+    else:
+        pairs = select_pairs(list_pairs(cfg.corpus), cfg.languages)
+        check_layout(pairs)
+        languages = corpus_languages(pairs)
+    if cfg.spm_model:  # an existing SentencePiece model must have every language's tag
+        check_spm_languages(cfg.spm_model, languages)
 
 
 def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:
@@ -303,20 +316,8 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     check_splits(pairs, shards, {s.id: count_reasons(np.load(final_path(work, s))) for s in shards})
 
     model_path = spm_model_path(out_dir)
-    sample_info = os.path.join(work, "spm.json")
-    if not os.path.exists(sample_info):
-        clock = time.perf_counter()
-        sample = os.path.join(work, "spm-sample.txt")
-        taken = write_sample([s for s in shards if s.split == "train"], [p.langs for p in pairs],
-                             work, sample, cfg.spm_sample_sentences, cfg.spm_temperature, cfg.seed,
-                             workers, progress)
-        log(f"data: training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
-            f"{sum(taken.values()):,} sampled lines")
-        train_spm(sample, model_path, languages, cfg.vocab_size, cfg.spm_model_type,
-                  cfg.character_coverage, cfg.spm_normalization)
-        _write_json(sample_info, {"sample": taken, "seconds": time.perf_counter() - clock})
-    with open(sample_info, encoding="utf-8") as handle:
-        taken = json.load(handle)["sample"]
+    taken = make_spm(cfg, [s for s in shards if s.split == "train"], [p.langs for p in pairs], languages,
+                     work, model_path, workers, log, progress)
     tokenizer = load_tokenizer(model_path)
     dtype = token_dtype(tokenizer.vocab_size)  # imports megatron-core here, once, before forking
 

@@ -170,9 +170,12 @@ def _strip_machine_fields(path: str) -> None:
 class Tokenizer:
     """A loaded joint model: text ↔ ids, plus the special and tag ids."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, proto: bytes | None = None) -> None:
+        """The model in the file ``model_path``, or the serialized model ``proto`` (then
+        ``model_path`` only names it in messages)."""
         self.path = model_path
-        self.sp = spm.SentencePieceProcessor(model_file=model_path)
+        self.sp = (spm.SentencePieceProcessor(model_file=model_path) if proto is None
+                   else spm.SentencePieceProcessor(model_proto=proto))
         specials = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if specials != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise DataError(f"{model_path} has special ids {specials}, expected (0, 1, 2, 3)")
