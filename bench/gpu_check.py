@@ -10,13 +10,15 @@ Parts, in the order of what matters most when time runs out (PARTS):
   versions  python, torch, deepspeed, GPU, the image's packages, a bf16 matmul probe (versions.txt)
   layers    the first number: compiled bf16 d = 1024 stage layers (bench/gpu.py layers-d1024) at
             4k target tokens per micro-batch, then 8k and 2k: MFU, GPU busy, kernels, syncs, compile
-  syncs     host syncs per micro-batch and per step of the real trainer at pp = 1 on this device
-            (bf16, compiled layers; the sync debug mode and the counting rule; bench/ops_syncs.py);
-            the rehearsal counts the engine's operations per step too
+  syncs     host syncs per micro-batch and per step of the real Trainer at pp = 1 on this device
+            (bf16, eager layers: `layers` counts the compiled ones; the sync debug mode and the
+            counting rule; bench/ops_syncs.py); the rehearsal counts the engine's operations too
   eager     the layers of `layers`, eager (what compiling gains, how host-bound eager is)
   shapes    the last stage at 128k pieces and 6L-6L d = 512, compiled, then eager
-  costs     F, B, W per layer kind at d = 1024, compiled then eager (bench/zb_costs.py)
-  replay    1F1B and ZB-H1 replayed on those costs at pp = 2, 4, 8, 16 (bench/zb_replay.py)
+  costs     F, B, W per layer kind at d = 1024, eager then compiled (bench/zb_costs.py; each mode
+            enters costs.json once every kind has it)
+  replay    1F1B and ZB-H1 replayed on those costs at pp = 2, 4, 8, 16 (bench/zb_replay.py: on the
+            compiled costs where measured)
   ops       ./run.sh bench ops' layer counts at d = 1024 in bf16: kernel operations per layer kind
             eager and compiled, graph breaks, graphs per kind over varying shapes, logit cost
   pp2       host syncs at pp = 2: two ranks; on a machine with one GPU, two CPU ranks (saying so)
@@ -94,15 +96,16 @@ PARTS = [
          ("{py}", "-m", "bench.gpu_check", "--versions", "{out}/versions.txt"), 45, 30),
     Part("layers", (*GPU_TRAIN, "--worker", "layers-d1024:compiled"), (*CPU_TRAIN, "--worker", "tiny:compiled"),
          170, 90, STALL),
-    # the default model's layers compiled as on any GPU (train.compile: auto), on a small corpus
+    # the real Trainer's step (data, pinned copies, guard, logs) on a small corpus, its layers eager:
+    # `layers` counts the compiled layers' step; compiling the default model here would cost a minute
     Part("syncs", (*OPS, *SMALL_DATA, "--skip", "layers,compiled,engine", "--pp", "1",
-                   "--set", "parallel.precision=bf16"),
-         (*OPS, *TINY, "--skip", "layers,compiled", "--pp", "1"), 75, 60),
+                   "--set", "parallel.precision=bf16", "--set", "train.compile=false"),
+         (*OPS, *TINY, "--skip", "layers,compiled", "--pp", "1"), 90, 60),
     Part("eager", (*GPU_TRAIN, "--worker", "layers-d1024:eager"), (*CPU_TRAIN, "--worker", "tiny:eager"), 60, 30,
          STALL),
     Part("shapes", (*GPU_TRAIN, "--shapes", "last-stage-128k,6L-6L-d512", "--variants", "compiled,eager"),
          (*CPU_TRAIN, "--device", "cpu", "--shapes", "tiny-last", "--variants", "compiled"), 150, 40),
-    Part("costs", ("{py}", "-m", "bench.zb_costs", "--modes", "compiled,eager", "--d-model", "1024",
+    Part("costs", ("{py}", "-m", "bench.zb_costs", "--modes", "eager,compiled", "--d-model", "1024",
                    "--out", "{work}/costs", "--jsonl", "{jsonl}"),
          ("{py}", "-m", "bench.zb_costs", "--modes", "eager", "--d-model", "32", "--sequences", "4", "--seq-len",
           "16", "--timed", "1", "--repeats", "1", "--out", "{work}/costs", "--jsonl", "{jsonl}"), 90, 40),
