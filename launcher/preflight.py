@@ -189,7 +189,7 @@ def check_init_from(cfg: RunConfig, where: str) -> None:
         source = resolve(cfg.train.init_from)
         theirs, ours = read_spm(cfg.train.init_from), read_spm(cfg.data.spm_model or cfg.train.init_from)
     except (CheckpointError, DataError) as e:
-        raise ConfigError(f"{key}: {e}") from None
+        raise ConfigError(f"{where}: train.init_from: {e}") from None
     difference = vocabulary_difference(theirs, ours)
     if difference:
         raise ConfigError(f"{key}: its SentencePiece model is not data.spm_model={cfg.data.spm_model}'s ({difference}), so "

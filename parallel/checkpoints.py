@@ -13,7 +13,9 @@ Consolidated file (`torch.save` of a dict, read back with weights_only=True):
     state_dict    the plain `EncoderDecoder`'s parameters (float32)
     spm_model     bytes of the joint SentencePiece model
     languages, directions, tags    from the data manifest
-    source        checkpoint path, tag, step and layout it came from
+    source        checkpoint path, tag, step and layout it came from (an average: also `averaged`,
+                  each checkpoint and step; parallel/average.py)
+    init_from     where the run started from (train.init_from), or None
 
 Resharding goes through DeepSpeed's universal checkpoint (`deepspeed.checkpoint.ds_to_universal`),
 which stores every parameter and its Adam moments whole, by parameter name; the engine of any
@@ -115,9 +117,10 @@ def model_config(values: dict, where: str) -> ModelConfig:
 _LAYER_FILE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
 
 
-def pipeline_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def pipeline_state(tag_dir: str, cfg: ModelConfig, wanted: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The plain model's parameters from a checkpoint's per-layer files (or, for a universal
-    checkpoint, from its zero/<name>/fp32.pt files)."""
+    checkpoint, from its zero/<name>/fp32.pt files); with `wanted` (plain names), only the files
+    of the layers that hold them are read."""
     if os.path.isdir(os.path.join(tag_dir, "zero")) and not glob.glob(os.path.join(tag_dir, "layer_*")):
         return _universal_state(tag_dir, cfg)
     files: dict[tuple[int, int], str] = {}  # (plan index, tensor-parallel rank) → file
@@ -127,12 +130,13 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             files[int(match.group(1)), int(match.group(3) or 0)] = os.path.join(tag_dir, name)
     tp = 1 + max((rank for _, rank in files), default=0)
     plan = layer_plan(cfg)
+    owners = None if wanted is None else {".".join(n.split(".")[:k]) for n in wanted for k in (1, 2)}
     per_rank: list[dict[str, torch.Tensor]] = []
     for rank in range(tp):
         pipe: dict[str, torch.Tensor] = {}
         for index, layer in enumerate(plan):
-            if layer.kind == "output":
-                continue  # tied to the embedding, saved with layer 0
+            if layer.kind == "output" or (owners is not None and layer.name not in owners):
+                continue  # the output layer is tied to the embedding, saved with layer 0
             if (index, rank) not in files:
                 raise CheckpointError(f"{tag_dir}: no file for layer {index} (tensor-parallel rank {rank}) of "
                                       f"the model's {len(plan)} plan layers; the checkpoint is incomplete")
@@ -187,6 +191,7 @@ def consolidated_dict(source: str, tag: str | None = None) -> dict:
         "tags": manifest["tags"],
         "source": {"checkpoint": tag_dir, "tag": tag, "step": int(meta.get("step", meta.get("global_steps", 0))),
                    "pipeline_stages": parallel.get("pipeline_stages"), "data_parallel": parallel.get("data_parallel")},
+        "init_from": meta.get("init_from"),  # where a fine-tuned run started (parallel/init_from.py)
     }
 
 

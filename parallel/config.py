@@ -105,6 +105,14 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
     seed: Seed = 1
     """Seed of the weights (layer i uses seed + i) and of the data order."""
+    init_from: str = ""
+    """Start a new run from another run's weights (fine-tuning): a run directory (its newest intact
+    checkpoint), a checkpoint folder, or a consolidated model file (`./run.sh convert consolidate`
+    or `average`), of any pp × tp × dp layout. Weights only: the optimizer, the learning-rate
+    schedule, the step and the data position start fresh. The model keys must give the source's
+    parameter shapes (checked before any rank starts), and the data is encoded with the source's
+    SentencePiece model (data.spm_model, unless set). A resumed run continues from its own
+    checkpoints; changing the key then is refused. Empty: initialise from train.seed."""
     log_interval: Positive = 10
     """Print loss, lr, gradient norm and tokens/s every this many steps."""
     valid_interval: Positive = 100

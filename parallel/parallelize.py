@@ -72,10 +72,13 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: TrainConfig, run_di
 
 
 def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: TrainConfig, run_dir: str,
-                 load_universal: bool = False):
-    """This rank's plain pipeline stage of the model, made parallel by `parallelize`; (engine, stage)."""
+                 load_universal: bool = False, init=None):
+    """This rank's plain pipeline stage of the model, made parallel by `parallelize`; (engine, stage).
+    `init(stage)` sets the plain stage's weights first (train.init_from: parallel/init_from.py)."""
     from parallel.pipeline import TranslationPipe
 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology
         stage = TranslationPipe(model_cfg, topology=layout.topology, seed=t.seed, partition_method=p.partition_method)
+    if init is not None:
+        init(stage)
     return parallelize(stage, layout, p, t, run_dir, load_universal), stage

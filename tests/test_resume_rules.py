@@ -64,7 +64,8 @@ def _other_value(key: str, value):
                "data.languages": ["de"], "data.spm_model_type": "unigram", "data.spm_normalization": "nfkc",
                "parallel.tensor_parallel": 2, "parallel.data_parallel": 2,
                "model.heads": 2, "model.d_model": 64, "model.layernorm_eps": 1e-6, "data.character_coverage": 0.99,
-               "data.max_length_ratio": 3.0, "data.spm_temperature": 2.0}
+               "data.max_length_ratio": 3.0, "data.spm_temperature": 2.0, "train.init_from": "/runs/elsewhere",
+               "data.spm_model": "/runs/elsewhere/data/spm.model"}
     if key in special:
         return special[key]
     if isinstance(value, bool):
@@ -190,6 +191,12 @@ def test_train_collective_timeout_and_stop_grace(resumed):
                                  "train.divergence_window", "train.divergence_max_events"])
 def test_train_divergence_settings(key, resumed):
     assert _each(resumed, "resumed", "guard") == [["skip", 9.0, 5, 4]] * 2
+
+
+def test_data_directions(resumed):
+    """The resumed run trains and validates on en-de only (the first run on every direction)."""
+    assert _each(resumed, "resumed", "directions") == [[["en-de"], ["en-de"]]] * 2
+    assert all(d["directions"] == ["en-de"] for rank in resumed for d in rank["ran"]["draws"])
 
 
 def test_data_max_tokens_and_sampling_temperature(resumed):

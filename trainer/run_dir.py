@@ -26,7 +26,7 @@ HONOURED = "honoured"  # the resumed run uses the new value (the optimizer's set
 NOT_A_SETTING = "not a setting"  # run_dir names the run itself; clusters is read by ./run.sh slurm only
 
 _HONOURED_MODEL = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")
-_HONOURED_DATA = ("max_tokens", "sampling_temperature", "workers")
+_HONOURED_DATA = ("max_tokens", "sampling_temperature", "workers", "directions")
 _FIXED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage", "partition_method")
 
 
@@ -42,9 +42,10 @@ def _resume_rules() -> dict[str, str]:
     for f in dataclasses.fields(ParallelConfig):
         rules[f"parallel.{f.name}"] = FIXED if f.name in _FIXED_PARALLEL else HONOURED
     for f in dataclasses.fields(TrainConfig):
-        # the weights' initialisation and every rank's RNG streams were seeded from it; a resumed
-        # run continues those streams from the checkpoint, so a new seed could not take effect
-        rules[f"train.{f.name}"] = FIXED if f.name == "seed" else HONOURED
+        # seed: the weights' initialisation and every rank's RNG streams were seeded from it; a
+        # resumed run continues those streams from the checkpoint, so a new seed could not take
+        # effect. init_from: the weights a run started from; a resumed run has its own
+        rules[f"train.{f.name}"] = FIXED if f.name in ("seed", "init_from") else HONOURED
     return rules
 
 
@@ -56,11 +57,25 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
     """`section.key: old → new` for every key of FIXED_ON_RESUME that differs. model.vocab_size 0
     means "the data's", which the recorded value is (the data's own keys are fixed)."""
     def differs(section: str, key: str) -> bool:
-        old, new = saved.get(section, {}).get(key), now[section][key]
+        old, new = recorded(saved, section, key), now[section][key]
         return old != new and not (section == "model" and key == "vocab_size" and new == 0)
 
-    return [f"{section}.{key}: {saved.get(section, {}).get(key)!r} → {now[section][key]!r}"
+    return [f"{section}.{key}: {recorded(saved, section, key)!r} → {now[section][key]!r}"
             for section, key in FIXED_ON_RESUME if differs(section, key)]
+
+
+def recorded(saved: dict, section: str, key: str):
+    """The recorded value of `section.key`; for a key added since the record was written, its
+    default (what the run had then)."""
+    if key in saved.get(section, {}):
+        return saved[section][key]
+    from trainer.config import RunConfig
+
+    fields = {f.name: f for f in dataclasses.fields(type(getattr(RunConfig(), section)))}
+    f = fields.get(key)
+    if f is None:
+        return None
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def setting_changes(saved: dict, now: dict) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import signal
@@ -21,8 +22,9 @@ import torch
 from model.norms import set_training_step, step_blocks
 from parallel import accelerator, heartbeat, manifest, rng
 from parallel.compiled import summary as compiled_summary
+from parallel.init_from import agreed_source, load_into
 from trainer import metrics, signals
-from trainer.checkpointer import Checkpointer, log0
+from trainer.checkpointer import Checkpointer, log0, note0
 from trainer.config import RunConfig
 from trainer.guard import DivergenceGuard, DivergenceStop
 from trainer.progress import LOG_NAME, Progress, append_log
@@ -93,8 +95,11 @@ class Trainer:
         cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
         layout = self.layout
         self.checkpoints = Checkpointer(cfg, layout)
+        self.init_source = self.start_source()
+        self.init_record = self.init_source and self.init_source.record()  # where this run started from
+        init = self.init_source and functools.partial(load_into, source=self.init_source)
         self.engine, self.module = build_engine(layout, cfg.model, cfg.parallel, cfg.train, cfg.run_dir,
-                                                load_universal=self.checkpoints.universal())
+                                                load_universal=self.checkpoints.universal(), init=init)
         self.checkpoints.attach(self.engine, self.module)
         self.compiled = bool(self.engine.compiled_layers)
         if self.compiled:
@@ -113,14 +118,18 @@ class Trainer:
         log0(f"pipeline partition ({layout.pp} stages × tensor-parallel {layout.tp} × {layout.dp} replicas, "
              f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
              f"{self.module.describe_partition()}")
-        self.train_data = PairDataset(os.path.join(self.data_dir, "train"))
-        self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"))
+        self.train_data = PairDataset(os.path.join(self.data_dir, "train"), cfg.data.directions)
+        self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"), cfg.data.directions)
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.data.seed,
                                   cfg.data.sampling_temperature)
         self.history: dict[str, list] = {"valid": [], "tokens_per_s": []}
         self.step = 0
         resumed = self.checkpoints.resume()
         self.restore(resumed)
+        if self.init_source is not None:
+            s = self.init_source
+            note0(cfg.run_dir, f"started from {s.path} (step {s.step}; train.init_from={s.given}): its weights only; "
+                  "the optimizer, learning-rate schedule, step and data position start fresh")
         # What this launch does with the run (trainer/run_dir.py `relaunch`; ./run.sh train decides
         # the same before any rank starts): train, nothing (finished), or refuse a max_steps below
         # a stopped run's step. A launch that trains records itself in config.json first.
@@ -148,6 +157,20 @@ class Trainer:
             self.stability = StabilityLogger(self)
             self.stability.start(self.step)
 
+    def start_source(self):
+        """train.init_from's source when this run starts now (no checkpoint of its own to resume),
+        found by every rank alike and checked against the model (parallel/init_from.py); else None."""
+        ckpt_dir = self.checkpoints.ckpt_dir
+        if not self.cfg.train.init_from or (self.checkpoints.universal() or manifest.committed_tags(ckpt_dir)
+                                            or manifest.read_latest(ckpt_dir)[1]):
+            return None
+        from parallel.checkpoints import CheckpointError
+
+        try:
+            return agreed_source(self.cfg.train.init_from, self.cfg.model, log=log0)
+        except CheckpointError as e:
+            self.checkpoints.stop_together(f"error: train.init_from: {e}")
+
     def _decided_loss(self) -> float | None:
         """The loss of the step the guard just decided (None when it decided nothing this step)."""
         return self.guard.step_loss
@@ -157,7 +180,7 @@ class Trainer:
         """Checkpoint this step (every rank); the folder written."""
         heartbeat.at(self.step, "checkpoint save")
         return self.checkpoints.save(self.step, {"data": self.stream.state_dict(), "history": self.history,
-                                                 "guard": self.guard.state_dict()})
+                                                 "guard": self.guard.state_dict(), "init_from": self.init_record})
 
     def restore(self, client: dict | None) -> None:
         """Take up the state a checkpoint's `save` recorded (nothing for a new run)."""
@@ -167,6 +190,7 @@ class Trainer:
         self.stream.load_state_dict(client["data"])
         self.guard.load_state_dict(client.get("guard"))
         self.history = client["history"]
+        self.init_record = client.get("init_from")
 
     # ---- steps -------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -358,6 +382,7 @@ class Trainer:
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
                        "data_parallel": self.layout.dp},
+            "init_from": self.init_record,
         }
         if self.layout.rank == 0 and show:
             losses = " → ".join(f"{v:.4f}" for v in (summary["first_valid_loss"], summary["last_valid_loss"])

@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(line, flush=True)
         return 0
     check_device(cfg, args.config)
-    check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
     check_init_from(cfg, args.config)  # a fine-tuning run's source fits the model and the vocabulary
+    check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
     try:  # held until this process ends; the ranks die with it (launcher/procs.py)
         lock = RunLock(cfg.run_dir).acquire()
     except RunDirBusy as e:

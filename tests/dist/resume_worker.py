@@ -32,7 +32,7 @@ CHANGED = {
     "train.instrument_interval": 2, "train.collective_timeout_seconds": 321.0, "train.stop_grace_seconds": 7.0,
     "train.divergence_policy": "skip", "train.divergence_spike_factor": 9.0, "train.divergence_window": 5,
     "train.divergence_max_events": 4,
-    "data.max_tokens": 160, "data.sampling_temperature": 2.0,
+    "data.max_tokens": 160, "data.sampling_temperature": 2.0, "data.directions": ["en-de"],
     "model.dropout": 0.2, "model.attention_dropout": 0.1, "model.activation_dropout": 0.3,
     "model.label_smoothing": 0.2,
 }
@@ -81,7 +81,8 @@ def drawn(trainer: Trainer) -> list[dict]:
 
     def next_step(n):
         batches = original(n)
-        seen.append({"n": n, "largest": max(max(b["src"].numel(), b["tgt_in"].numel()) for b in batches)})
+        seen.append({"n": n, "largest": max(max(b["src"].numel(), b["tgt_in"].numel()) for b in batches),
+                     "directions": sorted({trainer.train_data.directions[d] for b in batches for d in b["dirs"].tolist()})})
         return batches
 
     trainer.stream.next_step = next_step
@@ -116,6 +117,8 @@ def main() -> None:
         "collective_timeout": distributed_c10d.default_pg_timeout.total_seconds(),
         "stop_grace_seconds": signals.stop.grace_seconds,
         "dropouts": dropouts(t.module), "label_smoothing": t.module._cfg.label_smoothing,
+        "directions": [[d for d, n in zip(data.directions, data.direction_sizes) if n]
+                       for data in (t.train_data, t.valid_data)],
     }
     norms, draws = clipped_norms(t), drawn(t)
     t.run()
