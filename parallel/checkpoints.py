@@ -85,14 +85,30 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
     return os.path.dirname(ckpt_dir), tag_dir, tag
 
 
-def _load(path: str) -> dict:
+MODEL_EXPECTED = "a consolidated model file (./run.sh convert consolidate RUN_DIR) or a run directory"
+
+
+def _load(path: str, expected: str = "a checkpoint file written by this trainer") -> dict:
+    """`torch.load` of tensors and plain values only. A file that is not one raises CheckpointError:
+    one line naming it, why and what was `expected` (never torch's advice to load it unsafely)."""
+    import pickle
+    import warnings
+
     from deepspeed.utils.tensor_fragment import fragment_address  # named in optimizer shards
 
     try:
-        with torch.serialization.safe_globals([fragment_address]):
+        with torch.serialization.safe_globals([fragment_address]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, addressed to its own tracker
             return torch.load(path, map_location=HOST, weights_only=True)
-    except Exception as e:  # unpickling refused or a truncated file
-        raise CheckpointError(f"{path}: cannot be read as a checkpoint ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or e})"
+    except pickle.UnpicklingError as e:  # torch refused it, or it is not a pickle at all
+        why = ("holds objects other than tensors and plain values, which are not loaded (that could run code)"
+               if "Unsupported global" in str(e) else "not a PyTorch file")
+    except Exception as e:  # a truncated archive, an empty or foreign file
+        why = ("an empty file" if os.path.isfile(path) and os.path.getsize(path) == 0 else
+               "a damaged or truncated PyTorch file" if "zip archive" in str(e) else "not a PyTorch file")
+    raise CheckpointError(f"{path}: {why}; expected {expected}") from None
 
 
 def checkpoint_meta(tag_dir: str) -> dict:
@@ -223,9 +239,16 @@ def load_model(source: str, tag: str | None = None) -> LoadedModel:
     """A consolidated file, or the latest (or `tag`) checkpoint of a run directory consolidated
     in memory."""
     if os.path.isfile(source):
-        return _build(_load(source), source)
+        package = _load(source, MODEL_EXPECTED)
+        if not isinstance(package, dict):
+            raise CheckpointError(f"{source}: a PyTorch file of a {type(package).__name__}, not a model; "
+                                  f"expected {MODEL_EXPECTED}")
+        return _build(package, source)
     if not os.path.isdir(source):
         raise CheckpointError(f"{source}: no such model file or run directory")
+    if not (os.path.basename(os.path.abspath(source)) == "checkpoints" or
+            any(os.path.exists(os.path.join(source, name)) for name in ("checkpoints", "mp_rank_00_model_states.pt"))):
+        raise CheckpointError(f"{source}: a folder without checkpoints/; expected {MODEL_EXPECTED}")
     return _build(consolidated_dict(source, tag), source)
 
 

@@ -115,8 +115,9 @@ def test_tensor_parallel_shards_consolidate_to_the_pipelines_model(trained):
 def test_files_that_need_code_to_load_are_refused(tmp_path):
     path = str(tmp_path / "evil.pt")
     torch.save({"format": "deepnet-consolidated-1", "payload": shutil.rmtree}, path)
-    with pytest.raises(CheckpointError, match="cannot be read"):
+    with pytest.raises(CheckpointError, match="holds objects other than tensors and plain values") as refused:
         load_model(path)
+    assert "weights_only" not in str(refused.value) and "expected a consolidated model file" in str(refused.value)
     with pytest.raises(CheckpointError, match="no such model file"):
         load_model(str(tmp_path / "missing.pt"))
 
@@ -182,11 +183,12 @@ def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, mo
     monkeypatch.setattr(tokenizer_spm, "SACREBLEU_DIR", str(tmp_path / "sacrebleu"))
     out_dir = tmp_path / "eval"
     args = ["eval", trained["run_dir"], "--splits", "test", "--max-sentences", "6", "--greedy", "--threads", "1",
-            "--out-dir", str(out_dir)]
+            "--out-dir", str(out_dir), "--spbleu", "flores200"]
     assert cli(args) == 0
     printed = capsys.readouterr().out
-    assert os.path.join(str(tmp_path / "sacrebleu"), "models", "flores200sacrebleuspm") in printed
-    assert "tok:13a" in printed and "case:mixed" in printed
+    notes = [line for line in printed.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and os.path.join(str(tmp_path / "sacrebleu"), "models", "flores200sacrebleuspm") in notes[0]
+    assert "| direction | sentences | BLEU | tokenizer | chrF |" in printed and "| de-en | 6 |" in printed
 
     report = json.loads((out_dir / "eval.json").read_text())["test"]
     data_dir = os.path.join(trained["run_dir"], "data")
@@ -205,7 +207,8 @@ def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, mo
     assert rows["all average"]["sentences"] == 24
     table = (out_dir / "test.md").read_text()
     assert "| X→En average |" in table and "nrefs:1|case:mixed|eff:no|tok:13a" in table
-    assert (out_dir / "test.csv").read_text().startswith("direction,sentences,BLEU,chrF")
+    assert "| en-de | 6 | " in table and " | 13a | " in table
+    assert (out_dir / "test.csv").read_text().startswith("direction,sentences,BLEU,tokenizer,chrF")
 
     models = tmp_path / "sacrebleu" / "models"
     models.mkdir(parents=True)
@@ -218,14 +221,16 @@ def test_eval_scores_come_from_sacrebleu_on_raw_references(trained, tmp_path, mo
     assert row["spBLEU"] == pytest.approx(expected)
 
 
-def test_bleu_pins_13a_where_sacrebleu_would_switch_tokenizer():
-    from translate.evaluate import metrics, score
+def test_bleu_takes_the_tokenizer_the_target_language_needs():
+    from translate.evaluate import Scores
 
-    chosen, _ = metrics("none")
+    scores = Scores("none")
     hyp, ref = ["我们 今天 去 公园 玩"], ["我们今天去公园玩了"]
-    pinned = score(chosen, hyp, ref)["BLEU"]
-    assert pinned == pytest.approx(sacrebleu.metrics.BLEU(tokenize="13a").corpus_score(hyp, [ref]).score)
-    assert pinned != pytest.approx(sacrebleu.metrics.BLEU(trg_lang="zh").corpus_score(hyp, [ref]).score)
+    chinese = scores.score(hyp, ref, "zh_CN")
+    assert chinese["tokenizer"] == "zh"
+    assert chinese["BLEU"] == pytest.approx(sacrebleu.metrics.BLEU(tokenize="zh").corpus_score(hyp, [ref]).score)
+    assert chinese["BLEU"] != pytest.approx(sacrebleu.metrics.BLEU(tokenize="13a").corpus_score(hyp, [ref]).score)
     hyp, ref = ["The cat sat on the mat today ."], ["The cat sat on the mat ."]
-    assert score(chosen, hyp, ref)["BLEU"] == pytest.approx(sacrebleu.corpus_bleu(hyp, [ref]).score)
-    assert score(chosen, hyp, ref)["BLEU"] > 50
+    english = scores.score(hyp, ref, "en")
+    assert english["tokenizer"] == "13a" and english["BLEU"] == pytest.approx(sacrebleu.corpus_bleu(hyp, [ref]).score)
+    assert english["BLEU"] > 50

@@ -1,6 +1,6 @@
 """./run.sh eval [RUN_DIR]: translate the dev/test sets of every direction and score them
-(translate/evaluate.py: sacreBLEU's BLEU with 13a pinned, chrF, spBLEU when its model is present);
-tables and hypotheses under <RUN_DIR>/eval/.
+(translate/evaluate.py: sacreBLEU's BLEU with the tokenizer each target language needs, chrF,
+spBLEU when its model is present); tables and hypotheses under <RUN_DIR>/eval/.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from launcher.options import add_decoding_arguments, decode_options, user_path
 
 HELP = "translate the dev/test sets of every direction; BLEU/chrF (sacreBLEU) table per split"
 DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # configs/default.yaml's run_dir
-SPBLEU_CHOICES = ("flores200", "flores101", "none")
+SPBLEU_CHOICES = ("auto", "flores200", "flores101", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sentences", type=int, default=0,
                         help="score the first N sentences of each direction (0: all)")
     parser.add_argument("--directions", nargs="+", help="only these directions, e.g. de-en en-de")
-    parser.add_argument("--spbleu", default="flores200", choices=SPBLEU_CHOICES,
-                        help="FLORES SentencePiece model for spBLEU (default flores200)")
+    parser.add_argument("--spbleu", default="auto", choices=SPBLEU_CHOICES,
+                        help="FLORES SentencePiece model for spBLEU (default auto: flores200 where sacreBLEU's "
+                             "folder has it, else none, said in the tables only; a model named here and missing "
+                             "is said on the console)")
     parser.add_argument("--out-dir", type=user_path, help="where tables and hypotheses go (default RUN_DIR/eval)")
     add_decoding_arguments(parser)
 
