@@ -100,6 +100,14 @@ def model_card(meta: dict, facts: dict, export_note: str, fmt: str, quantization
         stages, replicas = facts.get("layout", (None, None))
         layout = f" ({stages} pipeline stages × {replicas} replicas)" if stages else ""
         lines.append(f"- optimizer steps: {facts['step']}{layout}")
+    started = meta.get("init_from")
+    if started:
+        lines.append(f"- fine-tuned from `{started['checkpoint']}` (step {started['step']}; train.init_from="
+                     f"`{started['init_from']}`): its weights, with a fresh optimizer, schedule and data order")
+    averaged = (meta.get("source") or {}).get("averaged")
+    if averaged:
+        lines.append(f"- weights: the element-wise mean of {len(averaged)} checkpoints (steps "
+                     f"{', '.join(str(a['step']) for a in averaged)}; ./run.sh convert average)")
     if facts.get("valid_loss"):
         step, loss = facts["valid_loss"]
         lines.append(f"- validation loss (label-smoothed cross-entropy, ε = {cfg['label_smoothing']}, nats per "

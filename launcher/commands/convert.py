@@ -1,5 +1,6 @@
-"""./run.sh convert consolidate|reshard: one model file from a checkpoint, or a checkpoint for
-another pipeline/data-parallel layout (see parallel/checkpoints.py for both formats)."""
+"""./run.sh convert consolidate|average|reshard: one model file from a checkpoint, one model file
+averaging several checkpoints (parallel/average.py), or a checkpoint for another pipeline/data-parallel
+layout (see parallel/checkpoints.py for the formats)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,8 @@ import time
 
 from launcher.options import user_path
 
-HELP = "checkpoints: 'consolidate' into one model file, 'reshard' to another pp × dp layout"
+HELP = ("checkpoints: 'consolidate' into one model file, 'average' several into one, 'reshard' to another "
+        "pp × dp layout")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     one.add_argument("--out", type=user_path, help="output file (default RUN_DIR/model-<tag>.pt); an existing one is replaced only "
                                    "with --force")
     one.add_argument("--force", action="store_true", help="replace an existing --out file")
+    avg = sub.add_parser("average", help="one model file: the element-wise mean of several checkpoints' weights")
+    avg.add_argument("sources", nargs="+", type=user_path, metavar="SOURCE",
+                     help="a run directory (with --last or --steps), or checkpoint folders / model files")
+    which = avg.add_mutually_exclusive_group()
+    which.add_argument("--last", type=int, metavar="N", help="the run's N newest checkpoints")
+    which.add_argument("--steps", type=int, nargs="+", metavar="S", help="the run's checkpoints of these steps")
+    avg.add_argument("--out", type=user_path, help="output file (default RUN_DIR/model-average-<steps>.pt); an "
+                                                   "existing one is replaced only with --force")
+    avg.add_argument("--force", action="store_true", help="replace an existing --out file")
     re = sub.add_parser("reshard", help="a new run directory whose checkpoint resumes at another layout")
     re.add_argument("source", type=user_path, help="run directory, its checkpoints/ folder, or one checkpoint folder")
     re.add_argument("out_run_dir", type=user_path, help="new run directory (must not hold checkpoints yet)")
@@ -35,12 +46,15 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
-        if args.action == "consolidate":
+        if args.action in ("consolidate", "average"):
             if args.out and os.path.isdir(args.out):
                 raise CheckpointError(f"--out {args.out} is a folder; give a file name, e.g. "
                                       f"{os.path.join(args.out, 'model.pt')}")
             if args.out and os.path.exists(args.out) and not args.force:
                 raise CheckpointError(f"--out {args.out} exists; choose another file, or pass --force to replace it")
+        if args.action == "average":
+            return _average(args, start)
+        if args.action == "consolidate":
             run_dir, _, tag = locate(args.source, args.tag)
             out = args.out or os.path.join(run_dir, f"model-{tag}.pt")
             source = consolidate(args.source, out, args.tag)
@@ -56,4 +70,28 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _average(args: argparse.Namespace, start: float) -> int:
+    from parallel.average import average, select
+    from parallel.checkpoints import CheckpointError
+
+    chosen = args.last is not None or args.steps
+    if chosen and len(args.sources) != 1:
+        raise CheckpointError("--last and --steps choose among one run directory's checkpoints; give one SOURCE")
+    if not chosen and len(args.sources) < 2:
+        raise CheckpointError(f"{args.sources[0]}: give --last N or --steps S [S ...] to choose its checkpoints, "
+                              "or name two or more checkpoints / model files")
+    if not chosen and not args.out:
+        raise CheckpointError("--out FILE is needed when the sources are named one by one")
+    sources = select(args.sources[0], args.last, args.steps) if chosen else args.sources
+    out = args.out or os.path.join(args.sources[0], "model-average-" + "-".join(
+        os.path.basename(s) for s in sources) + ".pt")
+    if os.path.exists(out) and not args.force:
+        raise CheckpointError(f"{out} exists; pass --force to replace it, or --out another file")
+    source = average(sources, out)
+    steps = ", ".join(str(a["step"]) for a in source["averaged"])
+    print(f"wrote {out} ({os.path.getsize(out) / 2**20:.1f} MiB): the mean of {len(sources)} checkpoints "
+          f"(steps {steps}) in {time.perf_counter() - start:.1f} s; use it with ./run.sh eval RUN_DIR --model {out}")
     return 0

@@ -1,0 +1,96 @@
+"""Checkpoint averaging: one consolidated model whose weights are the element-wise mean of several
+checkpoints' (fairseq's scripts/average_checkpoints.py; NMT practice averages the last few
+checkpoints before evaluation). Each checkpoint is consolidated in turn (any pp × tp × dp layout;
+parallel/checkpoints.py) and added into one fp32 sum, so memory holds two models whatever their
+number. Checkpoints of different models (any model key but the dropouts and label smoothing) or
+with different SentencePiece models are refused, naming the first difference."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from parallel import manifest
+from parallel.checkpoints import CheckpointError, consolidated_dict
+from parallel.init_from import open_model_file
+from parallel.manifest import replacing
+
+MAY_DIFFER = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")  # resumes may change them
+
+
+def select(run_dir: str, last: int | None = None, steps: list[int] | None = None) -> list[str]:
+    """The checkpoint folders of a run directory to average: its `last` newest committed
+    checkpoints, or those of `steps`; each verified against its manifest."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{run_dir} is not a run directory (no checkpoints/ in it); name the checkpoints "
+                              "or model files to average instead of --last/--steps")
+    tags = manifest.committed_tags(ckpt_dir)  # newest first
+    have = ", ".join(reversed(tags)) or "none"
+    if steps:
+        missing = [s for s in steps if f"step{s}" not in tags]
+        if missing:
+            raise CheckpointError(f"{run_dir} has no checkpoint of step {', '.join(map(str, missing))} (it has: {have})")
+        chosen = [f"step{s}" for s in sorted(set(steps))]
+    else:
+        if last is None or last < 1:
+            raise CheckpointError("give --last N (N ≥ 1) or --steps S [S ...]")
+        if len(tags) < last:
+            raise CheckpointError(f"{run_dir} keeps {len(tags)} checkpoints ({have}); --last {last} needs {last}: "
+                                  "average fewer, or keep more (train.keep_checkpoints)")
+        chosen = sorted(tags[:last], key=lambda t: int(t[4:]))
+    for tag in chosen:
+        problems = manifest.verify(os.path.join(ckpt_dir, tag))
+        if problems:
+            raise CheckpointError(f"checkpoint {tag} is damaged: {problems[0]}; leave it out (--steps)")
+    return [os.path.join(ckpt_dir, tag) for tag in chosen]
+
+
+def _package(source: str) -> dict:
+    if os.path.isfile(source):
+        package = open_model_file(source)
+        package["source"] = dict(package.get("source") or {}, checkpoint=package.get("source", {}).get("checkpoint", source))
+        return package
+    return consolidated_dict(source)
+
+
+def _same_model(first: dict, other: dict, names: tuple[str, str]) -> None:
+    a, b = first["model_config"], other["model_config"]
+    for key in a:
+        if key not in MAY_DIFFER and a[key] != b.get(key):
+            raise CheckpointError(f"{names[1]} is another model than {names[0]} (model.{key}: {b.get(key)!r} there, "
+                                  f"{a[key]!r} in the first); only checkpoints of one model can be averaged")
+    if first["spm_model"] != other["spm_model"]:
+        raise CheckpointError(f"{names[1]} has another SentencePiece model (vocabulary) than {names[0]}; its token "
+                              "ids mean other pieces: only checkpoints of one vocabulary can be averaged")
+
+
+def average(sources: list[str], out_path: str) -> dict:
+    """Write the consolidated model (atomically) whose weights are the mean of `sources`'
+    (checkpoint folders or consolidated model files), summed in fp32; returns its `source` record:
+    the newest source's checkpoint and step, and every averaged one."""
+    if not sources:
+        raise CheckpointError("nothing to average")
+    first, total = None, {}
+    averaged = []
+    for source in sources:
+        package = _package(source)
+        if first is None:
+            first = {key: value for key, value in package.items() if key != "state_dict"}
+            total = {name: value.float().clone() for name, value in package["state_dict"].items()}
+        else:
+            _same_model(first, package, (sources[0], source))
+            for name, value in package["state_dict"].items():
+                total[name] += value.float()
+        averaged.append({"checkpoint": package["source"].get("checkpoint", source),
+                         "step": package["source"].get("step")})
+        del package
+    newest = max(averaged, key=lambda a: a["step"] or 0)
+    result = {key: value for key, value in first.items() if key != "state_dict"}
+    result["state_dict"] = {name: value / len(sources) for name, value in total.items()}
+    result["source"] = dict(first["source"], checkpoint=newest["checkpoint"], step=newest["step"],
+                            tag=f"average of {len(sources)}", averaged=averaged)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with replacing(out_path) as tmp:
+        torch.save(result, tmp)
+    return result["source"]
