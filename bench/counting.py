@@ -20,7 +20,7 @@ A host sync is either of two things, each of which makes the host wait for the d
   `device=` of the accelerator; `Tensor.new_tensor` on a device tensor), or a host tensor moved to the
   device by `.to`, `copy_` or the GPU method without `non_blocking=True` (from pinned memory,
   non-blocking, the copy queues behind the device's work instead). On a GPU CUDA copies such
-  data from pageable memory and waits for the stream (`torch.cuda.set_sync_debug_mode` flags it).
+  data from pageable memory and waits for the stream (CUDA's sync debug mode flags it).
   On a CPU the same rule counts what the GPU's path would copy: a `device=` naming the
   accelerator, or a move of a tensor made on the host (`torch.tensor`, `as_tensor`, `asarray`,
   `from_numpy` without a device, or pinned) without `non_blocking`; the host is the accelerator

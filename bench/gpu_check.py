@@ -104,7 +104,7 @@ PARTS = [
     Part("eager", (*GPU_TRAIN, "--worker", "layers-d1024:eager"), (*CPU_TRAIN, "--worker", "tiny:eager"), 60, 30,
          STALL),
     Part("shapes", (*GPU_TRAIN, "--shapes", "last-stage-128k,6L-6L-d512", "--variants", "compiled,eager"),
-         (*CPU_TRAIN, "--device", "cpu", "--shapes", "tiny-last", "--variants", "compiled"), 150, 40),
+         (*CPU_TRAIN, "--device", HOST, "--shapes", "tiny-last", "--variants", "compiled"), 150, 40),
     Part("costs", ("{py}", "-m", "bench.zb_costs", "--modes", "eager,compiled", "--d-model", "1024",
                    "--out", "{work}/costs", "--jsonl", "{jsonl}"),
          ("{py}", "-m", "bench.zb_costs", "--modes", "eager", "--d-model", "32", "--sequences", "4", "--seq-len",
