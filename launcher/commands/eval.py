@@ -60,7 +60,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     source = translator.meta["source"]
-    print(f"model: {source['checkpoint']} (step {source['step']})", flush=True)
+    averaged = source.get("averaged")
+    print(f"model: {args.model}, the mean of {len(averaged)} checkpoints (steps "
+          f"{', '.join(str(a['step']) for a in averaged)})" if averaged else
+          f"model: {source['checkpoint']} (step {source['step']})", flush=True)
     out_dir = args.out_dir or os.path.join(args.run_dir, "eval")
     evaluate(translator, sets, options, args.spbleu, out_dir)
     print(f"eval took {time.perf_counter() - start:.1f} s")
