@@ -56,9 +56,6 @@ SHAPES: dict[str, tuple[int, int, int, int, int, int, tuple[int, int]]] = {
     "tiny": (2, 2, 32, 4, 64, 512, (2, 2)),
     "tiny-last": (1, 2, 32, 4, 64, 4096, (2, 2)),
 }
-SAME_PEAK = {"H200": "h100-80gb"}
-"""GPUs planner/devices.py does not list, whose dense bf16 datasheet peak is that of one it does:
-the H200 is an H100 with more and faster memory (989 TFLOP/s)."""
 SRC_LEN = TGT_LEN = 128
 MICRO_BATCHES = 4
 
@@ -188,9 +185,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     engine.step_loss = lambda: guard.step_loss
     totals, _ = instrument(engine)  # wall seconds by instruction (after a synchronize)
     key = devices.device_key(accelerator.gpu_name()) if not accelerator.on_host() else None
-    peak_key = key or SAME_PEAK.get(next((m for m in SAME_PEAK if m in accelerator.gpu_name().upper()), None)) \
-        if not accelerator.on_host() else None
-    peak = devices.DEVICES[peak_key]["peak_tflops"][precision] * 1e12 if peak_key else float("nan")
+    peak = devices.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
     layers = cfg.model.encoder_layers + cfg.model.decoder_layers
     generator = torch.Generator().manual_seed(0)
     try:
@@ -207,7 +202,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
             "precision": precision, "planner_peak_bytes": predicted, "micro_batches": MICRO_BATCHES,
             "parameters": sum(p.numel() for p in module.parameters()),
             "device": accelerator.gpu_name() if not accelerator.on_host() else HOST, "planner_device": key,
-            "peak_of": peak_key,
+            "peak_of": key,
             "datasheet_peak_tflops": peak / 1e12, "versions": versions(),
             "setup_seconds": round(time.perf_counter() - started, 2)}
 

@@ -22,9 +22,11 @@ import json
 import math
 import os
 
-PLANNER_BASIS = ("layers-d1024", "6L-6L-d512", "tiny")
-"""Shapes whose kernel efficiency the planner should take for their width: placed last in
-train.json, since planner/devices.py keeps the last compiled measurement of a (width, tokens)."""
+from planner.devices import BASIS_SHAPES
+
+PLANNER_BASIS = BASIS_SHAPES
+"""Shapes whose kernel efficiency the planner takes for their width (planner/devices.py prefers
+them); placed last in train.json too."""
 
 
 def append_jsonl(path: str, record: dict) -> None:

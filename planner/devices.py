@@ -23,6 +23,10 @@ DEVICES: dict[str, dict] = {
     "h100-80gb": {"name": "H100-SXM5-80GB", "memory_gib": 80,
                   "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                   "hbm_gbs": 3350, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
+    # the H100's compute (the same dense peaks) with 141 GB of HBM3e at 4.8 TB/s (DGX H200)
+    "h200-141gb": {"name": "H200-SXM5-141GB", "memory_gib": 141,
+                   "peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+                   "hbm_gbs": 4800, "intra_gbs": 360, "inter_node_gbs": 400, "gpus_per_node": 8},
 }
 # Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
 # and communication (what step_time divides compute by). One basis for every GPU type: until the
@@ -39,9 +43,12 @@ DEVICES: dict[str, dict] = {
 # the nearest (width, tokens). The H100 measurement of the eager, host-bound path (0.04–12%,
 # docs/bench/gpu-h100/report.md) no longer describes the trainer and is not used.
 E_MAX, T_HALF, D_HALF = 0.6, 1500.0, 256.0
+BASIS_SHAPES = ("layers-d1024", "6L-6L-d512", "tiny")
+"""bench/gpu.py's shapes whose kernel efficiency is the planner's for their width (a stage's
+layers, not a slice that holds the output layer): preferred over other shapes of that width."""
 _MEASURED = "docs/bench/gpu-{key}/train.json"
-DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16"}  # V100: no bf16
-ALIASES = {"v100": "v100-32gb", "a100": "a100-80gb", "h100": "h100-80gb"}
+DEFAULT_PRECISION = {"v100-32gb": "fp16", "a100-80gb": "bf16", "h100-80gb": "bf16", "h200-141gb": "bf16"}  # V100: no bf16
+ALIASES = {"v100": "v100-32gb", "a100": "a100-80gb", "h100": "h100-80gb", "h200": "h200-141gb"}
 """Short names of the GPU types (`--gpu a100`): each has one memory size here."""
 
 
@@ -76,13 +83,14 @@ def measured_efficiency(key: str, root: str | None = None) -> list[tuple[int, in
         return []
     with open(path) as f:
         results = json.load(f)
-    best: dict[tuple[int, int], float] = {}
+    best: dict[tuple[int, int], tuple[tuple[bool, bool], float]] = {}
     for r in results:
+        rank = (r["variant"] == "compiled", r.get("shape") in BASIS_SHAPES)  # later rows win ties
         for row in r["rows"]:
-            if math.isfinite(row["kernel_efficiency"]) and (r["variant"] == "compiled" or
-                                                             (r["model"][2], row["target_tokens_per_micro_batch"]) not in best):
-                best[(r["model"][2], row["target_tokens_per_micro_batch"])] = row["kernel_efficiency"]
-    return [(d, t, e) for (d, t), e in sorted(best.items())]
+            key = (r["model"][2], row["target_tokens_per_micro_batch"])
+            if math.isfinite(row["kernel_efficiency"]) and (key not in best or rank >= best[key][0]):
+                best[key] = (rank, row["kernel_efficiency"])
+    return [(d, t, e) for (d, t), (_, e) in sorted(best.items())]
 
 
 def kernel_efficiency(key: str, d_model: int, tokens: float = 4096, root: str | None = None) -> tuple[float, str]:
@@ -101,7 +109,7 @@ def device_key(gpu_name: str) -> str | None:
     name = gpu_name.upper()
     if "PCIE" in name or "NVL" in name:
         return None
-    for key, marker in (("h100-80gb", "H100"), ("a100-80gb", "A100"), ("v100-32gb", "V100")):
+    for key, marker in (("h200-141gb", "H200"), ("h100-80gb", "H100"), ("a100-80gb", "A100"), ("v100-32gb", "V100")):
         if marker in name:
             return key
     return None
