@@ -215,18 +215,19 @@ def supports(precision: str) -> bool:
 
 
 def versions() -> dict[str, str]:
-    """Versions that numbers measured on this machine depend on."""
+    """Versions that numbers measured on this machine depend on (the packages' metadata: importing
+    megatron.core alone costs seconds)."""
+    import platform
+    from importlib import metadata
+
     import torch
 
-    import platform
-
     out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("deepspeed", "megatron.core"):
+    for key, package in (("deepspeed", "deepspeed"), ("megatron.core", "megatron-core")):
         try:
-            module = __import__(name, fromlist=["__version__"])
-            out[name] = getattr(module, "__version__", "?")
-        except ImportError:
-            out[name] = "not installed"
+            out[key] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[key] = "not installed"
     if gpu_available():
         out["cuda_runtime"] = str(torch.version.cuda)
         out["gpu"] = gpu_name()
