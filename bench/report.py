@@ -89,7 +89,6 @@ class Environment:
     @classmethod
     def probe(cls, precisions: set[str]) -> Environment:
         import psutil
-        import torch
 
         cores = os.cpu_count() or 1
         if accelerator.gpu_available():
@@ -99,7 +98,9 @@ class Environment:
             table = next((v for k, v in DEVICES.items() if k.split("-")[0].upper() in name.upper()), None)
             peaks = {p: (table["peak_tflops"].get(p, 0) * 1e12 if table else None) for p in precisions}
             return cls("gpu", name, cores, accelerator.gpu_memory_bytes(), peaks, {}, os.getloadavg())
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        from parallel.precision import PRECISIONS
+
+        dtypes = {name: p.dtype for name, p in PRECISIONS.items()}
         load = os.getloadavg()
         core_peaks = {p: matmul_peak(dtypes[p], 1) for p in sorted(precisions)}
         # On a shared machine the all-core probe loses whatever another process takes from one

@@ -193,8 +193,9 @@ def measure(cfg, precision: str, sequences: int, src_len: int, tgt_len: int, mod
     import torch
 
     from parallel import accelerator, compiled
+    from parallel.precision import precision_of
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = precision_of(precision).dtype
     device = accelerator.device()
     if accelerator.on_host():
         # One thread, as each training rank on a CPU runs (launcher): process time counts every

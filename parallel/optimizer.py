@@ -287,7 +287,9 @@ def build(engine, client_optimizer) -> FlatOptimizer:
     The master partitions span the data-parallel group at ZeRO stage 1 (DeepSpeed's sequence
     data-parallel group, as for its BF16_Optimizer) and this rank alone at stage 0: each replica
     then steps every weight and gathers nothing."""
-    dtype = torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    precision = getattr(engine.module, "precision", None)  # the record parallel/parallelize.py gives the stage
+    dtype = precision.dtype if precision is not None else (
+        torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
     group = engine.seq_data_parallel_group
     if engine.zero_optimization_stage() == 0 and dist.get_world_size(group=group) > 1:
         group = torch.distributed.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -48,6 +48,7 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: TrainConfig, run_di
     from parallel.tensor import parallelize as apply_tensor_parallel
 
     precision, schedule = precision_of(p.precision), schedule_of(p.schedule)
+    object.__setattr__(stage, "precision", precision)  # read by FlatOptimizer when the engine builds it
     if layout.tp > 1:  # 1
         tp = TensorParallel.create(layout, precision.dtype)
         apply_tensor_parallel(stage, tp, path_of=functools.partial(plain_name, stage._plan))
