@@ -3,6 +3,7 @@ directories, variants of a config, parameter dumps under the plain model's names
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -94,6 +95,18 @@ def train_and_resume(cfg, steps: int, save_at: int, dump: str | None = None) -> 
     result["resumed_from"] = second.step
     result["resumed"] = record_steps(second, steps)
     return result
+
+
+def worker_args(steps: int | None = None) -> argparse.Namespace:
+    """A worker's command line: --config, --out, (--steps, default `steps`, where given) and the
+    --local_rank the deepspeed launcher appends."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    if steps is not None:
+        parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--local_rank", type=int)
+    return parser.parse_args()
 
 
 def write_result(path: str, result: dict) -> None:

@@ -10,7 +10,6 @@ Rank 0 writes everything to `--out` (JSON).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import csv
 import json
@@ -21,6 +20,7 @@ import shutil
 import torch
 
 from launcher import worker
+from tests.dist.common import worker_args
 from trainer import trainer as train_mod
 from trainer.config import load_config
 from trainer.guard import DivergenceStop
@@ -229,11 +229,7 @@ def divergence_cases(cfg) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = worker_args()
     cfg = load_config(args.config)
     result = {"damage": damage_cases(cfg), "divergence": divergence_cases(cfg)}
     if is0():

@@ -12,7 +12,6 @@ Rank 0 writes the readings to `--out` (JSON); the weights go to `--out`.<run>.st
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 
@@ -20,7 +19,7 @@ import torch
 
 from launcher.cli import main as cli
 from parallel.engine import exit_rank
-from tests.dist.common import dump_params, record_steps, variant, write_result
+from tests.dist.common import dump_params, record_steps, variant, worker_args, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
@@ -44,11 +43,7 @@ def from_source(cfg, name: str, source: str, pp: int, tp: int, out: str) -> Trai
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = worker_args()
     cfg = load_config(args.config)
     result = {}
 

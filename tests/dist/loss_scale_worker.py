@@ -9,14 +9,13 @@ three states to `--out` (JSON).
 """
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
 from launcher.cli import main as cli
 from parallel.engine import exit_rank
-from tests.dist.common import record_steps, write_result
+from tests.dist.common import record_steps, worker_args, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
@@ -29,11 +28,7 @@ def scaler_state(trainer: Trainer) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = worker_args()
     cfg = load_config(args.config)
     first = Trainer(cfg, max_steps=5)
     record_steps(first, 2)

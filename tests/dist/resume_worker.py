@@ -12,7 +12,6 @@ Rank 0 writes every rank's readings to `--out` (JSON: a list by rank).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -21,6 +20,7 @@ import torch
 
 from parallel import manifest
 from parallel.engine import exit_rank, inverse_sqrt
+from tests.dist.common import worker_args
 from trainer import signals
 from trainer.config import load_config
 from trainer.trainer import Trainer
@@ -90,11 +90,7 @@ def drawn(trainer: Trainer) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = worker_args()
     cfg = load_config(args.config)
     first = Trainer(cfg)
     first.run()

@@ -4,22 +4,16 @@ writes each one's per-step losses and clipped norms to `--out` (JSON by schedule
 stage its parameters to `--out`.<name>.stage<s>.tp0.pt."""
 from __future__ import annotations
 
-import argparse
 
 from parallel.engine import exit_rank, setup_distributed
 from parallel.schedules import SCHEDULES
-from tests.dist.common import dump_params, record_steps, variant, write_result
+from tests.dist.common import dump_params, record_steps, variant, worker_args, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--local_rank", type=int)
-    args = parser.parse_args()
+    args = worker_args(steps=3)
     cfg = load_config(args.config)
     setup_distributed()  # variant() makes the run directories on rank 0
     result = {}
