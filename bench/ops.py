@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
 from bench.gpu_results import append_jsonl, write_json
@@ -367,4 +366,6 @@ BENCH = Bench(name="ops", help="kernel operations per layer and per step, host s
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from parallel.engine import exit_rank
+
+    exit_rank(main())  # the engine and sync counts set up a process group: it ends as every rank's does

@@ -39,7 +39,9 @@ def read_spm(source: str) -> bytes:
             import torch
 
             try:
-                package = torch.load(source, map_location="cpu", mmap=True, weights_only=True)
+                # storages stay in host memory where they were saved (no device is named outside
+                # parallel/accelerator.py); only the SentencePiece bytes are read
+                package = torch.load(source, map_location=lambda storage, _: storage, mmap=True, weights_only=True)
             except Exception as e:  # refused unpickling, a damaged archive
                 raise DataError(f"{where}: cannot be read as a model file ({type(e).__name__})") from None
             data = package.get("spm_model") if isinstance(package, dict) else None
