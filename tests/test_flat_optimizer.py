@@ -26,7 +26,7 @@ from tests.conftest import ROOT, TINY_MODEL, run_worker, write_run_config
 STEPS, SAVE_AT, CLIP = 4, 2, 0.05
 # Operations per step beyond the model at 6L-6L, 4 micro-batches, pp = dp = 1, as measured
 # (docs/pipeline.md): the optimizer's (with its fold, norm, clip, step and the guard's all-reduce)
-# and in all (the pipeline engine's own added). DeepSpeed's BF16_Optimizer takes 2,580 on that step.
+# and in all (the pipeline engine's own added). DeepSpeed's BF16_Optimizer takes 2,566 on that step (docs/bench/ops-default.md).
 OPTIMIZER_OPS = {"fp32": 37, "bf16": 44, "fp16": 50}
 OPS = {"fp32": 66, "bf16": 73, "fp16": 79}
 
