@@ -9,11 +9,10 @@ import os
 import sys
 import time
 
-from launcher.launch import ROOT
+from launcher.launch import DEFAULT_RUN
 from launcher.options import add_decoding_arguments, decode_options, user_path
 
 HELP = "translate the dev/test sets of every direction; BLEU/chrF (sacreBLEU) table per split"
-DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # configs/default.yaml's run_dir
 SPBLEU_CHOICES = ("auto", "flores200", "flores101", "none")
 
 

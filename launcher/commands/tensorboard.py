@@ -8,12 +8,11 @@ import os
 import shutil
 import sys
 
-from launcher.launch import ROOT
+from launcher.launch import DEFAULT_RUN
 from launcher.options import shown_path, user_path
 from trainer.config import ConfigError
 
 HELP = "TensorBoard on a run directory's events (loss, lr, gradient norm, tokens/s, validation, BLEU/chrF)"
-DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # configs/default.yaml's run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

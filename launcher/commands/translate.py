@@ -12,15 +12,14 @@ import os
 import sys
 import time
 
-from launcher.launch import ROOT
+from launcher.launch import DEFAULT_RUN
 from launcher.options import add_decoding_arguments, decode_options, user_path
 
 HELP = "translate text with a trained model (stdin → stdout or --input/--output files; --to LANG)"
-DEFAULT_MODEL = os.path.join(ROOT, "runs", "default")  # configs/default.yaml's run_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, type=user_path,
+    parser.add_argument("model", nargs="?", default=DEFAULT_RUN, type=user_path,
                         help="consolidated model file or run directory (default runs/default)")
     parser.add_argument("--to", required=True, metavar="LANG", help="target language, e.g. de (tag <2de>)")
     parser.add_argument("--input", "-i", type=user_path, help="file of source sentences, one per line (default: stdin)")
