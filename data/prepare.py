@@ -103,11 +103,23 @@ def _write_json(path: str, value) -> None:
     os.replace(tmp, path)
 
 
+SPM_MARK = "+spm-"
+
+
 def corpus_fingerprint(cfg: DataConfig) -> str:
     """What identifies the input: the text's (`text_fingerprint`) and, with `data.spm_model`, the
     sha256 of that SentencePiece model (another model gives other ids)."""
     text = text_fingerprint(cfg)
-    return f"{text}+spm-{spm_sha256(cfg.spm_model)}" if cfg.spm_model else text
+    return f"{text}{SPM_MARK}{spm_sha256(cfg.spm_model)}" if cfg.spm_model else text
+
+
+def same_input(fingerprint: str, cfg: DataConfig) -> bool:
+    """Whether a preparation with this `fingerprint` (its manifest's) was made from `cfg`'s corpus
+    text, with an existing SentencePiece model exactly when `cfg` names one. The model named by
+    data.spm_model is not read again: once prepared, the data's own copy (data/spm.model, its
+    sha256 in the manifest) is the run's model, so a fine-tuning run resumes without its source."""
+    text, mark, _ = fingerprint.partition(SPM_MARK)
+    return text == text_fingerprint(cfg) and bool(mark) == bool(cfg.spm_model)
 
 
 def text_fingerprint(cfg: DataConfig) -> str:
@@ -131,7 +143,7 @@ def text_fingerprint(cfg: DataConfig) -> str:
     return digest.hexdigest()
 
 
-def _is_current(out_dir: str, key: dict, fingerprint: str) -> dict | None:
+def _is_current(out_dir: str, key: dict, cfg: DataConfig) -> dict | None:
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         return None
@@ -142,7 +154,7 @@ def _is_current(out_dir: str, key: dict, fingerprint: str) -> dict | None:
     if (
         manifest.get("format") != FORMAT_VERSION
         or manifest.get("config_key") != key
-        or manifest.get("corpus_fingerprint") != fingerprint
+        or not same_input(manifest.get("corpus_fingerprint", ""), cfg)
     ):
         return None
     needed = [spm_model_path(out_dir)] + [split_prefix(out_dir, s) + ".shards.json" for s in SPLITS]
@@ -189,11 +201,13 @@ def prepare_data(
         progress = os.isatty(2)
     try:
         with _locked(out_dir):
-            fingerprint = corpus_fingerprint(cfg)
-            manifest = _is_current(out_dir, key, fingerprint)
+            manifest = _is_current(out_dir, key, cfg)
             if manifest is not None:
                 log(f"data: {out_dir} is up to date ({_summary(manifest)})")
                 return manifest
+            if cfg.spm_model:  # the existing SentencePiece model must have every language's tag
+                check_spm_languages(cfg.spm_model, _languages(cfg))
+            fingerprint = corpus_fingerprint(cfg)
             old = os.path.join(out_dir, MANIFEST)
             if os.path.exists(old):
                 os.remove(old)  # from here on the folder is incomplete until the new one is written
@@ -219,13 +233,16 @@ def check_corpus(cfg: DataConfig) -> None:
         if missing:
             raise DataError(f"data.languages: no catalogs for {missing} under {root}; available: "
                             f"{', '.join(catalogs)}")
-        languages = ["en", *(cfg.languages or catalogs)]
     else:
-        pairs = select_pairs(list_pairs(cfg.corpus), cfg.languages)
-        check_layout(pairs)
-        languages = corpus_languages(pairs)
-    if cfg.spm_model:  # an existing SentencePiece model must have every language's tag
-        check_spm_languages(cfg.spm_model, languages)
+        check_layout(select_pairs(list_pairs(cfg.corpus), cfg.languages))
+
+
+def _languages(cfg: DataConfig) -> list[str]:
+    """Every language of the corpus `cfg` selects, English first for gettext corpora."""
+    if cfg.corpus == BUNDLED_DJANGO or cfg.corpus.startswith(GETTEXT_PREFIX):
+        root = django_locale_root() if cfg.corpus == BUNDLED_DJANGO else cfg.corpus[len(GETTEXT_PREFIX):]
+        return ["en", *(cfg.languages or find_catalogs(root))]
+    return corpus_languages(select_pairs(list_pairs(cfg.corpus), cfg.languages))
 
 
 def _start_work(out_dir: str, key: dict, fingerprint: str, log) -> str:

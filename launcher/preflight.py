@@ -124,7 +124,7 @@ def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
     DataConfig.preparation_key, or corpus files whose names, sizes or modification times changed)
     replaces it, so the checkpoints would go on with another tokenizer (and vocabulary size)."""
     from data.errors import DataError
-    from data.prepare import corpus_fingerprint, load_manifest
+    from data.prepare import load_manifest, same_input
 
     now = cfg.data.preparation_key()
     before = saved.get("data", {})
@@ -137,10 +137,10 @@ def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:
     data_dir = os.path.join(cfg.run_dir, "data")
     try:
         prepared = load_manifest(data_dir).get("corpus_fingerprint")
-        current = corpus_fingerprint(cfg.data)
+        changed = prepared is not None and not same_input(prepared, cfg.data)
     except (DataError, OSError, ValueError):
         return  # no usable preparation, or an unreadable corpus: `prepare` reports it
-    if prepared is not None and prepared != current:
+    if changed:
         raise ConfigError(f"{where}: the corpus {cfg.data.corpus} changed since {data_dir} was prepared for this "
                           f"run's checkpoints (file names, sizes or modification times differ); preparing it again "
                           f"would give them another tokenizer: restore the files (copies keep their times with "
@@ -187,7 +187,8 @@ def check_init_from(cfg: RunConfig, where: str) -> None:
     key = f"{where}: train.init_from={cfg.train.init_from}"
     try:
         source = resolve(cfg.train.init_from)
-        theirs, ours = read_spm(cfg.train.init_from), read_spm(cfg.data.spm_model or cfg.train.init_from)
+        theirs = read_spm(cfg.train.init_from)  # data.spm_model is the source's unless set otherwise
+        ours = theirs if cfg.data.spm_model == cfg.train.init_from else read_spm(cfg.data.spm_model)
     except (CheckpointError, DataError) as e:
         raise ConfigError(f"{where}: train.init_from: {e}") from None
     difference = vocabulary_difference(theirs, ours)

@@ -202,6 +202,29 @@ def test_prepare_encodes_with_an_existing_sentencepiece_model(tiny_data, model_f
     assert corpus_fingerprint(other) != corpus_fingerprint(cfg)  # another model: prepared again
 
 
+def test_prepared_data_needs_its_sentencepiece_source_no_more(tiny_data, model_file, tmp_path):
+    """Once prepared, data/spm.model is the run's model: with the source moved away, the data is
+    up to date and the resume check passes (a fine-tuning run resumes without its source)."""
+    import shutil
+
+    from data.config import DataConfig
+    from data.prepare import prepare_data
+    from launcher.preflight import check_resume_data
+    from trainer.config import RunConfig
+
+    source = str(tmp_path / "source.pt")
+    shutil.copy(model_file, source)
+    cfg = DataConfig(**{**TINY_DATA, "languages": ["de"], "vocab_size": 100, "spm_model": source})
+    data = str(tmp_path / "run" / "data")
+    prepare_data(cfg, data, log=lambda _: None)
+    os.remove(source)
+    lines = []
+    prepare_data(cfg, data, log=lines.append)
+    assert lines == [f"data: {data} is up to date (2 directions, " + lines[0].split("(2 directions, ")[1]], lines
+    run = RunConfig(run_dir=str(tmp_path / "run"), data=cfg)
+    check_resume_data(run, {"data": cfg.preparation_key()}, "run.yaml")
+
+
 def test_directions_select_what_the_stream_draws(tiny_data):
     from data.batching import BatchStream
     from data.dataset import PairDataset
