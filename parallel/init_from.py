@@ -7,7 +7,8 @@ parallelism is applied (parallel/parallelize.py `build_engine`): tensor parallel
 the loaded weights, the tied output layer is the loaded embedding, and the optimizer's fp32 master
 weights are made from them, while Adam's moments, the learning-rate schedule, the step and the
 data position start fresh. Each rank reads only its stage's tensors: the per-layer files of its
-plan layers (merged over tensor-parallel shards), or its tensors of a memory-mapped model file. A
+plan layers (merged over tensor-parallel shards), or its tensors of a memory-mapped model file (a
+universal checkpoint, made by `convert reshard`, is read whole). A
 run that resumes its own checkpoint never reads the source again.
 
 The source's model must have this run's parameter names and shapes, and compute the same
