@@ -88,18 +88,18 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
 MODEL_EXPECTED = "a consolidated model file (./run.sh convert consolidate RUN_DIR) or a run directory"
 
 
-def _load(path: str, expected: str = "a checkpoint file written by this trainer") -> dict:
-    """`torch.load` of tensors and plain values only. A file that is not one raises CheckpointError:
-    one line naming it, why and what was `expected` (never torch's advice to load it unsafely)."""
+def load_file(path: str, expected: str = "a checkpoint file written by this trainer", *, mmap: bool = False,
+          allowed: tuple = ()) -> dict:
+    """`torch.load` of tensors and plain values only (and the classes `allowed`); `mmap`: tensors
+    are read when touched. A file that is not one raises CheckpointError: one line naming it, why
+    and what was `expected` (never torch's advice to load it unsafely)."""
     import pickle
     import warnings
 
-    from deepspeed.utils.tensor_fragment import fragment_address  # named in optimizer shards
-
     try:
-        with torch.serialization.safe_globals([fragment_address]), warnings.catch_warnings():
+        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on pickle protocols, addressed to its own tracker
-            return torch.load(path, map_location=HOST, weights_only=True)
+            return torch.load(path, map_location=HOST, mmap=mmap, weights_only=True)
     except OSError as e:
         why = f"cannot be read ({e.strerror or e})"
     except pickle.UnpicklingError as e:  # torch refused it, or it is not a pickle at all
@@ -113,7 +113,7 @@ def _load(path: str, expected: str = "a checkpoint file written by this trainer"
 
 def checkpoint_meta(tag_dir: str) -> dict:
     """Engine and client state of stage 0: step, run config, layout."""
-    state = _load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    state = load_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if state.get("config") is None:
         raise CheckpointError(f"{tag_dir}: no run config in the checkpoint's client state; it was not "
                               "written by this trainer")
@@ -157,7 +157,7 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig, wanted: set[str] | None = Non
                 raise CheckpointError(f"{tag_dir}: no file for layer {index} (tensor-parallel rank {rank}) of "
                                       f"the model's {len(plan)} plan layers; the checkpoint is incomplete")
             prefix = "tied_modules.embed." if layer.kind == "embed" else f"{index}."
-            pipe.update({prefix + key: value for key, value in _load(files[index, rank]).items()})
+            pipe.update({prefix + key: value for key, value in load_file(files[index, rank]).items()})
         per_rank.append(plain_state_dict(cfg, pipe))
     if tp == 1:
         return per_rank[0]
@@ -169,7 +169,7 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig, wanted: set[str] | None = Non
 def _universal_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     pipe = {}
     for fp32 in sorted(glob.glob(os.path.join(tag_dir, "zero", "*", "fp32.pt"))):
-        pipe[os.path.basename(os.path.dirname(fp32))] = _load(fp32)["param"]
+        pipe[os.path.basename(os.path.dirname(fp32))] = load_file(fp32)["param"]
     # The optimizer's names are the modules' own (fused projections); a model file has the standard ones.
     return split_fused_projections(plain_state_dict(cfg, pipe))
 
@@ -239,7 +239,7 @@ def load_model(source: str, tag: str | None = None) -> LoadedModel:
     """A consolidated file, or the latest (or `tag`) checkpoint of a run directory consolidated
     in memory."""
     if os.path.isfile(source):
-        package = _load(source, MODEL_EXPECTED)
+        package = load_file(source, MODEL_EXPECTED)
         if not isinstance(package, dict):
             raise CheckpointError(f"{source}: a PyTorch file of a {type(package).__name__}, not a model; "
                                   f"expected {MODEL_EXPECTED}")
@@ -263,8 +263,11 @@ def keep_loss_scale(tag_dir: str, universal_dir: str) -> None:
     universal format has no place for it (DeepSpeed's load passes no scaler state), and without it
     a resharded run would start again at 2^16 and overflow its way back down. Every rank's shard
     holds the same state (an overflow is decided globally); none for fp32 and bf16."""
+    from deepspeed.utils.tensor_fragment import fragment_address  # named in the optimizer shards
+
     for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))[:1]:
-        state = (_load(path).get("optimizer_state_dict") or {}).get("loss_scaler_state")
+        shard = load_file(path, mmap=True, allowed=(fragment_address,))  # the scaler's few numbers, not the moments
+        state = (shard.get("optimizer_state_dict") or {}).get("loss_scaler_state")
         if state:
             with open(os.path.join(universal_dir, LOSS_SCALE_FILE), "w", encoding="utf-8") as f:
                 json.dump(state, f)

@@ -24,9 +24,8 @@ import torch
 from model.config import ModelConfig
 from model.transformer import EncoderDecoder
 from parallel import manifest
-from parallel.accelerator import HOST
-from parallel.checkpoints import (CONSOLIDATED_FORMAT, CheckpointError, checkpoint_meta, locate, model_config,
-                                  pipeline_state)
+from parallel.checkpoints import (CONSOLIDATED_FORMAT, MODEL_EXPECTED, CheckpointError, checkpoint_meta, load_file, locate,
+                                  model_config, pipeline_state)
 from parallel.pipeline import plain_name
 
 FUNCTION_KEYS = ("norm", "activation", "heads", "layernorm_eps")
@@ -51,10 +50,7 @@ class Source:
 
 def open_model_file(path: str) -> dict:
     """A consolidated model file, memory-mapped (its tensors are read when touched)."""
-    try:
-        package = torch.load(path, map_location=HOST, mmap=True, weights_only=True)
-    except Exception as e:  # refused unpickling, not a torch archive, a truncated file
-        raise CheckpointError(f"{path}: cannot be read as a model file ({type(e).__name__})") from None
+    package = load_file(path, MODEL_EXPECTED, mmap=True)
     if not isinstance(package, dict) or package.get("format") != CONSOLIDATED_FORMAT:
         raise CheckpointError(f"{path}: not a consolidated model file; make one with ./run.sh convert "
                               "consolidate (or average) RUN_DIR")
