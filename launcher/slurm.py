@@ -103,10 +103,7 @@ def node_cpus(partition: str | None) -> tuple[int | None, str]:
 def resolved_config_text(cfg: RunConfig, source: str, cluster: str | None) -> str:
     """The run config as the job will read it: every key explicit, the cluster layout applied."""
     values = json.loads(json.dumps(to_dict(cfg)))  # tuples → lists, for YAML
-    values.pop("clusters", None)
-    corpus = values["data"]["corpus"]
-    if ":" not in corpus and not os.path.isabs(corpus):  # relative to the repo, where run.sh runs
-        values["data"]["corpus"] = os.path.abspath(corpus)
+    values.pop("clusters", None)  # (its paths are absolute: load_config made them so)
     origin = f"{source}" + (f" with clusters.{cluster}" if cluster else "")
     tokens, product = tokens_per_step(cfg)
     header = (f"# Resolved from {origin} by ./run.sh slurm.\n"

@@ -49,7 +49,8 @@ def select(run_dir: str, last: int | None = None, steps: list[int] | None = None
 def _package(source: str) -> dict:
     if os.path.isfile(source):
         package = open_model_file(source)
-        package["source"] = dict(package.get("source") or {}, checkpoint=package.get("source", {}).get("checkpoint", source))
+        recorded = package.get("source") or {}
+        package["source"] = dict(recorded, checkpoint=recorded.get("checkpoint", source))
         return package
     return consolidated_dict(source)
 
@@ -86,7 +87,7 @@ def average(sources: list[str], out_path: str) -> dict:
                          "step": package["source"].get("step")})
         del package
     newest = max(averaged, key=lambda a: a["step"] or 0)
-    result = {key: value for key, value in first.items() if key != "state_dict"}
+    result = dict(first)
     result["state_dict"] = {name: value / len(sources) for name, value in total.items()}
     result["source"] = dict(first["source"], checkpoint=newest["checkpoint"], step=newest["step"],
                             tag=f"average of {len(sources)}", averaged=averaged)

@@ -128,8 +128,8 @@ def read_tensors(source: Source, wanted: set[str]) -> dict[str, torch.Tensor]:
 
 def load_into(stage: torch.nn.Module, source: Source) -> None:
     """Copy the source's weights into this rank's plain pipeline stage (before parallelism)."""
-    names = {key: plain_name(stage._plan, key) for key in stage.state_dict()}
-    tensors = read_tensors(source, {name for name in names.values() if name})
+    names = {key: plain_name(stage._plan, key) for key in stage.state_dict()}  # a plain stage: every key has one
+    tensors = read_tensors(source, set(names.values()))
     missing = sorted(name for name in names.values() if name not in tensors)
     if missing:
         raise CheckpointError(f"{source.path} has no weight {missing[0]} (and {len(missing) - 1} more missing)")

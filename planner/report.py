@@ -55,7 +55,7 @@ def schedule_lines(best, plans: list, dev: Device) -> list[str]:
         return []
     by_layout = {p.layout: p for p in plans}
     one = by_layout.get(dataclasses.replace(lay, schedule=DEFAULT_SCHEDULE, zb_max_pending=0))
-    zbs = [p for p in plans if p.layout.schedule != DEFAULT_SCHEDULE and p.layout == dataclasses.replace(
+    zbs = [p for p in plans if p.layout.splits_backward and p.layout == dataclasses.replace(
         lay, schedule=p.layout.schedule, zb_max_pending=p.layout.zb_max_pending)]
     if one is None or not zbs:
         return []

@@ -34,7 +34,7 @@ def test_gpu_aliases_and_a_typo():
     code, out, err = plan("default", "--gpu", "a10")
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith("error: --gpu a10: not a GPU type the planner knows; did you mean a100-80gb? known: "
-                          "v100-32gb (v100), a100-80gb (a100), h100-80gb (h100)")
+                          "v100-32gb (v100), a100-80gb (a100), h100-80gb (h100), h200-141gb (h200)\n")
 
 
 def test_the_own_row_is_the_configs_entry_for_the_asked_cluster():
@@ -65,5 +65,5 @@ def test_help_says_what_plan_does():
     assert code == 0
     text = " ".join(out.split())
     assert "config.json" not in text and "plan writes no config" in text
-    assert "--gpu TYPE GPU type: v100-32gb (v100), a100-80gb (a100), h100-80gb (h100)" in text
+    assert "--gpu TYPE GPU type: v100-32gb (v100), a100-80gb (a100), h100-80gb (h100), h200-141gb (h200)" in text
     assert "clusters: entry for --gpu" in text

@@ -109,7 +109,9 @@ class Scores:
         name = self.tokenizer(language)
         row: dict = {"BLEU": None, "tokenizer": name or "–"}
         if name is not None:
-            metric = self.bleu.setdefault(name, BLEU(tokenize=name))
+            if name not in self.bleu:  # one per tokenizer (ja/ko load their dictionaries)
+                self.bleu[name] = BLEU(tokenize=name)
+            metric = self.bleu[name]
             row["BLEU"] = metric.corpus_score(hypotheses, [references]).score
         for column, metric in self.metrics.items():
             row[column] = metric.corpus_score(hypotheses, [references]).score

@@ -1,4 +1,4 @@
-"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb (or v100, a100, h100): which
+"""./run.sh plan MODEL --gpus N --gpu v100-32gb|a100-80gb|h100-80gb|h200-141gb (or v100, a100, h100, h200): which
 layout, how fast, how long.
 
 MODEL is a run config (a path, or the name of one in configs/); its own layout is priced as a row
