@@ -135,22 +135,6 @@ def cache_counters() -> dict[str, int]:
              ("aot_autograd", ("autograd_cache_hit", "autograd_cache_miss"))) for key in keys}
 
 
-def versions() -> dict[str, str]:
-    """Python, torch, deepspeed and megatron-core versions, without importing megatron (seconds)."""
-    import platform
-    from importlib import metadata
-
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("deepspeed", "megatron-core"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
 def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup: int, precision: str,
             jsonl: str, stall_after: int = 0) -> None:
     """Train `shape` in this process (a world of one) at each micro-batch size; each size's
@@ -202,8 +186,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
             "precision": precision, "planner_peak_bytes": predicted, "micro_batches": MICRO_BATCHES,
             "parameters": sum(p.numel() for p in module.parameters()),
             "device": accelerator.gpu_name() if not accelerator.on_host() else HOST, "planner_device": key,
-            "peak_of": key,
-            "datasheet_peak_tflops": peak / 1e12, "versions": versions(),
+            "datasheet_peak_tflops": peak / 1e12, "versions": accelerator.versions(),
             "setup_seconds": round(time.perf_counter() - started, 2)}
 
     def step(batches):
@@ -214,6 +197,7 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     for done, tokens in enumerate(token_sizes):
         sequences = max(1, tokens // TGT_LEN)
         times = []
+        reset_peak_memory()  # this size's high-water mark (the baseline stays the one before the engine)
         for i in range(warmup + steps):
             batches = synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)
             if i == warmup:
@@ -293,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     jsonl = args.jsonl or os.path.join(args.out, "rows.jsonl")
+    if not args.worker and not args.jsonl and os.path.exists(jsonl):
+        os.remove(jsonl)  # this run's rows only (results.json and report.md are made of them)
     if args.worker:
         from parallel.engine import exit_rank
 

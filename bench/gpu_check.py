@@ -185,6 +185,23 @@ def _sweep(marker: str) -> list[int]:
     return killed
 
 
+_running: dict = {}
+"""The part running now (its process group and marker), for `stop_running` on a signal to the check."""
+
+
+def stop_running(signum, frame) -> None:
+    """The check itself was told to stop (the device's time limit, Ctrl-C): the running part and
+    everything it started are killed now (they run in sessions of their own and would outlive the
+    check), the parts not run yet are cut, and the summary is written with what came back."""
+    _running["stopped"] = signal.Signals(signum).name
+    if "pid" in _running:
+        try:
+            os.killpg(_running["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _sweep(_running["marker"])
+
+
 def run_part(part: Part, command: list[str], limit: int, log: str, env: dict) -> dict:
     """Run `command` under `timeout -k GRACE limit` in a session of its own; what happened."""
     marker = f"{uuid.uuid4().hex[:12]}-{part.name}"
@@ -193,6 +210,7 @@ def run_part(part: Part, command: list[str], limit: int, log: str, env: dict) ->
     with open(log, "w") as f:
         proc = subprocess.Popen(["timeout", "-k", str(GRACE), str(limit), *command], cwd=ROOT, env=env,
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        _running.update(pid=proc.pid, marker=marker)
         try:
             code = proc.wait(timeout=limit + GRACE + 10)
         except subprocess.TimeoutExpired:  # timeout itself did not end it
@@ -203,10 +221,12 @@ def run_part(part: Part, command: list[str], limit: int, log: str, env: dict) ->
     except ProcessLookupError:
         pass
     stragglers = _sweep(marker)
+    _running.pop("pid", None)
     seconds = time.monotonic() - start
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_seconds = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
-    status = "ok" if code == 0 else (f"killed at its {limit} s limit (SIGTERM)" if code == 124 else
+    status = "ok" if code == 0 else (f"killed: the check got {_running['stopped']}" if "stopped" in _running else
+                                     f"killed at its {limit} s limit (SIGTERM)" if code == 124 else
                                      f"killed at its {limit} s limit (SIGKILL: SIGTERM was ignored for {GRACE} s)"
                                      if code in (137, -9) else f"failed (exit {code})")
     return {"part": "check", "name": part.name, "status": status, "exit": code, "seconds": round(seconds, 1),
@@ -272,25 +292,35 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     out = os.path.abspath(args.out)
     jsonl = os.path.join(out, "results.jsonl")
+    logs: dict[str, str] = {}
+    if os.path.exists(os.path.join(out, "logs.txt")):  # gpu_check.sh's wheel install wrote it: kept on top
+        with open(os.path.join(out, "logs.txt"), errors="replace") as f:
+            logs["wheels"] = f.read()
+    if os.path.exists(jsonl):  # a check starts afresh (--merge joins several)
+        os.remove(jsonl)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, stop_running)
     work = tempfile.mkdtemp(prefix="gpu-check.")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH")))))
     py = sys.executable
+    env.update(DEEPNET_VENV=sys.prefix, DEEPNET_NO_INSTALL="1")  # ./run.sh test-gpu: this Python, nothing installed
     if args.rehearse:
         env.update(DS_ACCELERATOR=HOST, OMP_NUM_THREADS="1")
-    else:
-        env.update(DEEPNET_VENV=sys.prefix, DEEPNET_NO_INSTALL="1")
     header = {"mode": "rehearsal (CPU, tiny shapes)" if args.rehearse else "GPU", "budget": budget,
               "scale": round(scale, 2), "started": datetime.datetime.now(datetime.timezone.utc).strftime(
                   "%Y-%m-%d %H:%M UTC"), "argv": list(argv if argv is not None else sys.argv[1:])}
     outcomes: list[dict] = []
-    logs: dict[str, str] = {}
     for part in PARTS:
         if part.name not in chosen:
             continue
         left = budget - (time.monotonic() - started) - RESERVE
         if part.name in skipped:
             outcome = {"name": part.name, "status": "skipped (--skip)"}
+        elif "stopped" in _running:
+            outcome = {"name": part.name, "status": f"cut: the check got {_running['stopped']}"}
+        elif part.name == "replay" and not os.path.exists(os.path.join(out, "costs.json")):
+            outcome = {"name": part.name, "status": "cut: no costs.json here (rerun it with costs)"}
         elif left < MIN_START:
             outcome = {"name": part.name, "status": f"cut: {max(0, left):.0f} s of the budget left"}
         else:

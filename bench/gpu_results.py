@@ -82,11 +82,16 @@ def train_results(records: list[dict]) -> list[dict]:
     return sorted(grouped.values(), key=lambda r: r["shape"] in PLANNER_BASIS)
 
 
+SUMMARY_KEYS = ("config", "model", "batch", "syncs", "syncs_per_microbatch", "syncs_per_step")
+"""bench ops' keys that describe its own run as a whole (the worst of its sync counts, its config):
+left out of ops.json, which joins several runs; each count there says what it was counted on."""
+
+
 def ops_result(records: list[dict]) -> dict:
     out: dict = {}
     for r in records:
         if r.get("part") == "ops":
-            out.update(r["result"])
+            out.update({k: v for k, v in r["result"].items() if k not in SUMMARY_KEYS})
     return out
 
 

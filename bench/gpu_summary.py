@@ -114,6 +114,8 @@ def summary(header: dict, outcomes: list[dict], made: dict, order: list[str]) ->
                      f"{o.get('limit', '—')} |")
     lines.append(f"\nRecords in results.jsonl by kind: {kept or 'none'}.")
     missing = [o["name"] for o in outcomes if o["status"] != "ok"] + order[len(outcomes):]
+    if "replay" in missing and "costs" not in missing:  # the replay reads the costs of its own folder
+        missing.insert(missing.index("replay"), "costs")
     if missing:
         lines += ["", f"Not complete: {', '.join(missing)}. Run just those (into another folder; "
                       "`python -m bench.gpu_check OUT --merge A B` joins the two):", "",

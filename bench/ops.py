@@ -317,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             append_jsonl(args.jsonl, {"part": "ops", "result": update})
 
     emit({})
+    counted_on = {"config": args.config, "sets": args.set}  # what each count below was counted on
     if "layers" not in skip:
-        emit({"kernel_ops_per_layer": count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip)})
+        emit({"kernel_ops_per_layer": count_layers(model, args.batch, args.src, args.tgt, "compiled" not in skip),
+              "kernel_ops_counted_on": {**counted_on, "model": result["model"], "batch": result["batch"]}})
         ratio = output_cost_ratio(model)
         emit({"output_cost_ratio": ratio, "logit_cost": (ratio - 1) * 6 * model.d_model})
     if "compiled" not in skip:
@@ -344,11 +346,11 @@ def main(argv: list[str] | None = None) -> int:
             counted: dict[int, dict] = {}
             if "pp1" not in skip or args.pp == 1:
                 counted[1] = {"ranks": [sync_counts(new_trainer(cfg, data_dir, os.path.join(work, "pp1")))],
-                              "pp_ranks_on": None}
+                              "pp_ranks_on": None, **counted_on}
                 emit({"syncs_pp1": counted[1], **_worst(counted)})
             if args.pp > 1:
                 ranks, where = launch_syncs(args.config, args.pp, data_dir, work, args.set)
-                counted[args.pp] = {"ranks": ranks, "pp_ranks_on": where}
+                counted[args.pp] = {"ranks": ranks, "pp_ranks_on": where, **counted_on}
                 emit({f"syncs_pp{args.pp}": counted[args.pp], **_worst(counted)})
     text = table(result)
     print(text)

@@ -8,6 +8,7 @@ the runner's pieces without torch: the kill of a part that ignores SIGTERM and o
 in a session of its own, the budget that cuts parts, the merge of a run and its rerun, and the
 train.json the planner reads."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -77,7 +78,8 @@ def test_the_counts_and_costs_come_back(rehearsal):
     costs = json.loads((out / "costs.json").read_text())
     assert set(costs["modes"]) == {"eager"} and set(costs["modes"]["eager"]) == {"embed", "encoder", "decoder", "output"}
     assert "| 2 |" in (out / "replay.md").read_text()
-    assert "12 skipped" in (out / "summary.md").read_text()  # the GPU suite ran (and skipped, without a GPU)
+    summary = (out / "summary.md").read_text()
+    assert re.search(r"\b\d+ skipped", summary) and not re.search(r"\b\d+ failed", summary)  # the GPU suite ran
 
 
 def test_nothing_of_the_check_is_left_running(rehearsal):
@@ -128,7 +130,7 @@ def test_the_budget_cuts_the_parts_it_has_no_time_for(tmp_path):
     assert gpu_check.main([str(out), "--rehearse", "--budget", "20", "--only", "layers,replay"]) == 0
     summary = (out / "summary.md").read_text()
     assert "| layers | cut: 10 s of the budget left |" in summary and "| replay | cut:" in summary
-    assert "bench/scripts/gpu_check.sh OUT2 --only layers,replay --rehearse" in summary
+    assert "bench/scripts/gpu_check.sh OUT2 --only layers,costs,replay --rehearse" in summary  # replay reads its folder's costs
     assert "No first number" in summary
 
 
