@@ -247,7 +247,8 @@ class _HostSyncs:
             return saved["tolist"](tensor, *args, **kwargs)
 
         def to(tensor, *args, **kwargs):
-            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to takes no copy=
+            device, _, non_blocking, _ = torch._C._nn._parse_to(*args, **parsed)
             self._move(tensor, device, non_blocking)
             return saved["to"](tensor, *args, **kwargs)
 

@@ -1,5 +1,5 @@
-"""Results kept as they come, and the files made of them (standard library only: the GPU check's
-runner imports this before anything heavy).
+"""Results kept as they come, and the files made of them (the standard library and
+planner/devices.py only: the GPU check's runner imports this before anything heavy).
 
 Every measurement of the GPU check is one JSON line appended to a results file and made durable
 before the process goes on (`append_jsonl`), so a process killed later has lost only what it had

@@ -38,7 +38,7 @@ def first_number(train: list[dict], rehearsal: bool) -> list[str]:
             f"{_pct(busy)} (host-bound {_pct(host)}), {results.fmt(row.get('target_tokens_per_s'), ',.0f')} target "
             f"tokens/s, {results.fmt(row.get('host_syncs_per_step'))} host syncs per step (CUDA's sync debug mode: "
             f"{results.fmt(row.get('sync_debug_mode_per_step'), '', 'not on a GPU')}); written "
-            f"{results.fmt(row.get('seconds_since_start'), '.0f')} s after its process started** (first step "
+            f"{results.fmt(row.get('seconds_since_start'), '.0f')} s after its setup began** (first step "
             f"{results.fmt(row.get('first_step_seconds'), '.1f')} s, compile included)."]
 
 
@@ -61,13 +61,11 @@ def goals(train: list[dict], ops: dict) -> list[str]:
                  f"{syncs.get('per_step', 'not measured')} per step, {syncs.get('per_microbatch', '—')} per "
                  f"micro-batch; sync debug mode {syncs.get('sync_debug_mode_per_step', '—')} | "
                  f"{'met' if syncs.get('per_step') == 1.0 and syncs.get('per_microbatch') == 0.0 else '—'} |")
-    try:
-        from planner.devices import estimated_efficiency
-    except ImportError:
-        estimated_efficiency = None
+    from planner.devices import estimated_efficiency
+
     for tokens in (2048, 4096, 8192):
         _, row = _row(train, "layers-d1024", "compiled", tokens)
-        estimate = f"estimate {estimated_efficiency(1024, tokens):.0%}" if estimated_efficiency else ""
+        estimate = f"estimate {estimated_efficiency(1024, tokens):.0%}"
         lines.append(f"| planner basis: kernel efficiency, d = 1024, {tokens // 1024}k ({estimate}) | "
                      f"{_pct(row.get('kernel_efficiency') if row else None)} | train.json → "
                      "docs/bench/gpu-<type>/train.json |")

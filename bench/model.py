@@ -105,10 +105,9 @@ def _old_config(transformer, cfg):
     return old(**{k: v for k, v in values.items() if k in fields})
 
 
-def _step(model, optimizer, batch, cfg, loss_sum=None) -> float:
-    """One plain training step (model/step.py) on `batch`, clipped at 1; its loss. `cfg` is the
-    model's own config (unused: the step reads it from the model); `loss_sum`: the model
-    package's own loss (another commit's)."""
+def _step(model, optimizer, batch, loss_sum=None) -> float:
+    """One plain training step (model/step.py) on `batch`, clipped at 1; its loss. `loss_sum`: the
+    model package's own loss (another commit's)."""
     from model.step import plain_step
     from model.transformer import smoothed_loss_sum
 
@@ -140,7 +139,7 @@ def compare(cfg, batch: dict, warmup: int, steps: int, against=None) -> dict:
         for name, run in runs.items():
             torch.set_rng_state(run["rng"])
             start = time.process_time()
-            loss = _step(run["model"], run["optimizer"], batch, run["cfg"], run["loss_sum"])
+            loss = _step(run["model"], run["optimizer"], batch, run["loss_sum"])
             seconds = time.process_time() - start
             run["rng"] = torch.get_rng_state()
             if i >= warmup:

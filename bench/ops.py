@@ -39,7 +39,7 @@ import os
 import time
 
 from bench.gpu_results import append_jsonl, write_json
-from bench.ops_syncs import engine_ops_per_step, launch_syncs, new_trainer, sync_counts  # noqa: F401 (their home)
+from bench.ops_syncs import engine_ops_per_step, launch_syncs, new_trainer, sync_counts
 from launcher.launch import DEFAULT_CONFIG, ROOT
 
 SHAPES = [(8, 12, 10), (5, 17, 23), (12, 9, 9), (3, 30, 11), (8, 12, 10)]

@@ -38,15 +38,15 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     batch = {key: torch.randint(4, 4000, (32, 32), generator=g) for key in ("src", "tgt_in", "tgt_out")}
     for _ in range(3):
-        _step(model, optimizer, batch, cfg)
+        _step(model, optimizer, batch)
     seconds = {name: [] for name in SETTINGS}
     faults = {name: [] for name in SETTINGS}
     for i in range(int(os.environ.get("N", "8"))):
         for name in (list(SETTINGS) if i % 2 == 0 else list(reversed(SETTINGS))):
             libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(SETTINGS[name]))
-            _step(model, optimizer, batch, cfg)
+            _step(model, optimizer, batch)
             before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
-            _step(model, optimizer, batch, cfg)
+            _step(model, optimizer, batch)
             seconds[name].append(time.process_time() - start)
             faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     for name in SETTINGS:

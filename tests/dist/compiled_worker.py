@@ -15,7 +15,7 @@ import argparse
 import copy
 import os
 
-from bench.ops import sync_counts
+from bench.ops_syncs import sync_counts
 from parallel import compiled
 from parallel.engine import exit_rank
 from tests.dist.common import dump_params, fresh_run_dir, record_steps, with_dropout, write_result

@@ -71,7 +71,7 @@ def main() -> None:
     first = trainer.train_step()
     out = {"first_loss": first["loss"]}
     if args.case == "syncs":
-        from bench.ops import sync_counts
+        from bench.ops_syncs import sync_counts
 
         gathered = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(gathered, sync_counts(trainer))

@@ -10,7 +10,7 @@ import json
 import os
 
 from parallel.engine import exit_rank, setup_distributed
-from bench.ops import engine_ops_per_step
+from bench.ops_syncs import engine_ops_per_step
 from bench.ops_syncs import new_trainer, sync_counts
 from trainer.config import load_config
 
