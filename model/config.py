@@ -11,6 +11,11 @@ Norm = Literal["deepnorm", "deepnorm-xavier-1.15", "postln", "preln", "postln-in
 """The strategies of model/norms.py (a test keeps the two lists equal)."""
 
 
+TRAINING_ONLY = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")
+"""ModelConfig's keys that shape training only, not the weights or the function they compute: a
+resumed run may change them, and checkpoints that differ in them are of one model."""
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """An encoder-decoder Transformer for translation (fairseq-style, shared vocabulary)."""

@@ -10,12 +10,12 @@ import os
 
 import torch
 
+from model.config import TRAINING_ONLY
 from parallel import manifest
 from parallel.checkpoints import CheckpointError, consolidated_dict
 from parallel.init_from import open_model_file
 from parallel.manifest import replacing
 
-MAY_DIFFER = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")  # resumes may change them
 
 
 def select(run_dir: str, last: int | None = None, steps: list[int] | None = None) -> list[str]:
@@ -58,7 +58,7 @@ def _package(source: str) -> dict:
 def _same_model(first: dict, other: dict, names: tuple[str, str]) -> None:
     a, b = first["model_config"], other["model_config"]
     for key in a:
-        if key not in MAY_DIFFER and a[key] != b.get(key):
+        if key not in TRAINING_ONLY and a[key] != b.get(key):
             raise CheckpointError(f"{names[1]} is another model than {names[0]} (model.{key}: {b.get(key)!r} there, "
                                   f"{a[key]!r} in the first); only checkpoints of one model can be averaged")
     if first["spm_model"] != other["spm_model"]:

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import os
 
-from model.config import ModelConfig
+from model.config import TRAINING_ONLY, ModelConfig
 from trainer.config import ConfigError
 
 PREEMPTED_MARKER = "preempted.json"  # every rank checkpointed on a signal; the job requeues itself
@@ -25,7 +25,6 @@ HONOURED = "honoured"  # the resumed run uses the new value (the optimizer's set
 #                        the checkpoint restores and trainer/checkpointer.py sets again)
 NOT_A_SETTING = "not a setting"  # run_dir names the run itself; clusters is read by ./run.sh slurm only
 
-_HONOURED_MODEL = ("dropout", "attention_dropout", "activation_dropout", "label_smoothing")
 _HONOURED_DATA = ("max_tokens", "sampling_temperature", "workers", "directions")
 _FIXED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage", "partition_method")
 
@@ -36,7 +35,7 @@ def _resume_rules() -> dict[str, str]:
 
     rules = {"run_dir": NOT_A_SETTING, "clusters": NOT_A_SETTING}
     for f in dataclasses.fields(ModelConfig):
-        rules[f"model.{f.name}"] = HONOURED if f.name in _HONOURED_MODEL else FIXED
+        rules[f"model.{f.name}"] = HONOURED if f.name in TRAINING_ONLY else FIXED
     for f in dataclasses.fields(DataConfig):
         rules[f"data.{f.name}"] = HONOURED if f.name in _HONOURED_DATA else PREPARED
     for f in dataclasses.fields(ParallelConfig):
