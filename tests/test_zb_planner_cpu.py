@@ -8,7 +8,9 @@ tests/test_planner.py runs, and the costs per layer kind of that model measured 
 * memory: the planner's peak of every stage, with the pending W of the order the engine ran,
   within 20% of the measured peak (the 1F1B check's bound; seen within 7%);
 * bubble: the replay of the run (each stage's measured CPU seconds of F, B, W on the order it
-  ran) has a smaller bubble than 1F1B replayed on the same costs, and the planner's ZB-H1 ÷ 1F1B
+  ran) has a smaller bubble than 1F1B replayed on the same costs, the planner's ZB-H1 pipeline is
+  shorter than 1F1B's would be at ZB-H1's own stage costs (not necessarily than 1F1B's total: the
+  split's measured cost of its own decides that on each machine), and the planner's ZB-H1 ÷ 1F1B
   bubble from the per-kind costs is within 0.15 of the replay's (seen 0.54 against 0.63: the
   planner gives every stage the slowest one's cost, while the two stages of this run differ by 20%);
 * the planner and the engine both choose an order in which the first stage defers W too (on a
@@ -94,7 +96,11 @@ def test_zb_h1_bubble_against_1f1b_is_the_planners(zb_bench):
     t1 = step_time(cfg, dataclasses.replace(layout, schedule="1f1b", zb_max_pending=0), dev, 0.5)
     predicted = tz["bubble_fraction"] / t1["bubble_fraction"]
     assert predicted == pytest.approx(zb / one, abs=0.15), (predicted, zb / one)
-    assert tz["total"] < t1["total"]
+    # ZB-H1 shortens the pipeline at its own per-stage F + B + W; whether it also beats 1F1B's total
+    # depends on the split's own cost, which this machine's measurement decides (seen 0.86 and 1.06 × 1F1B on two machines)
+    slot = sum(tz["zb"]["cost"].values())
+    assert tz["zb"]["seconds"] < (LAYOUT["micro_batches"] + LAYOUT["pp"] - 1) * slot
+    assert tz["bubble_fraction"] < t1["bubble_fraction"]
     # on these costs both the planner and the engine keep a W pending on the first stage
     assert tz["zb"]["pending_peaks"][0] >= 1
     assert any(kind == "B" and orders[0][i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(orders[0]))
