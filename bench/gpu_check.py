@@ -124,6 +124,18 @@ PARTS = [
 NAMES = [p.name for p in PARTS]
 
 
+PACKAGES = os.path.join(ROOT, "bench", "scripts", "gpu_packages.txt")
+"""The packages the check relies on and where each comes from (image, built, wheel); gpu_wheels.sh
+builds and fetches from the same list."""
+
+
+def packages() -> list[tuple[str, str, str]]:
+    """(distribution, import name, where) of every package in PACKAGES, in its order."""
+    with open(PACKAGES) as f:
+        rows = [line.split() for line in f if line.strip() and not line.startswith("#")]
+    return [(row[0], row[1], row[2]) for row in rows]
+
+
 def versions(path: str) -> None:
     """versions.txt: what the numbers depend on, the image's packages the check relies on, the GPU
     and a bf16 matmul probe (the GPU's real peak next to the datasheet's)."""
@@ -132,12 +144,7 @@ def versions(path: str) -> None:
     from importlib import metadata
 
     lines = [f"python {platform.python_version()} ({sys.executable}), {os.cpu_count()} cores"]
-    for dist, module in (("torch", "torch"), ("deepspeed", "deepspeed"), ("megatron-core", "megatron"),
-                         ("triton", "triton"), ("numpy", "numpy"), ("sentencepiece", "sentencepiece"),
-                         ("sacrebleu", "sacrebleu"), ("pyyaml", "yaml"), ("psutil", "psutil"),
-                         ("filelock", "filelock"), ("tqdm", "tqdm"), ("tensorboard", "tensorboard"),
-                         ("pydantic", "pydantic"), ("hjson", "hjson"), ("Django", "django"), ("polib", "polib"),
-                         ("pycountry", "pycountry"), ("pytest", "pytest")):
+    for dist, module, _ in packages():
         try:
             version = metadata.version(dist)
             found = importlib.util.find_spec(module) is not None

@@ -82,6 +82,25 @@ def test_the_counts_and_costs_come_back(rehearsal):
     assert re.search(r"\b\d+ skipped", summary) and not re.search(r"\b\d+ failed", summary)  # the GPU suite ran
 
 
+def test_one_package_list_for_the_wheels_and_the_versions(rehearsal):
+    """bench/scripts/gpu_packages.txt is the one list: what gpu_wheels.sh builds or fetches (at the
+    pins of requirements.txt, which this environment has) and what versions.txt reports."""
+    import importlib.util
+    from importlib import metadata
+
+    listed = gpu_check.packages()
+    assert len({dist.lower() for dist, _, _ in listed}) == len(listed)
+    assert {where for _, _, where in listed} == {"image", "built", "wheel"} and ("torch", "torch", "image") in listed
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = dict(line.strip().lower().split("==") for line in f if "==" in line)
+    for dist, module, where in listed:
+        if where != "image":  # carried: this environment has it, at its pin
+            assert pins.get(dist.lower(), metadata.version(dist)) == metadata.version(dist), dist
+            assert importlib.util.find_spec(module) is not None, (dist, module)
+    reported = [line.split()[0] for line in (rehearsal[0] / "versions.txt").read_text().splitlines()[1:]]
+    assert reported[:len(listed)] == [dist for dist, _, _ in listed]
+
+
 def test_nothing_of_the_check_is_left_running(rehearsal):
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -5,18 +5,14 @@
 #
 #   bench/scripts/gpu_wheels.sh [PYTHON_VERSION]      (default 3.12, the GPU image's)
 #
-# Built here: DeepSpeed 0.19.8 (published as a source archive only) as a pure-Python wheel, its CUDA
-# ops left out (DS_BUILD_OPS=0: none is used; DeepSpeed would JIT-build one only if asked), by the
-# repository's .venv (its setup.py imports torch). Fetched for CPython 3.12 on manylinux x86_64:
-# DeepSpeed's and pydantic's needs, megatron-core (data preparation's indexed dataset), and the
-# bundled corpus's Django, polib and pycountry — the pins of requirements.txt where it has them,
-# else .venv's versions. The device run carries .whl (`carry: [".whl"]`, at most 64 MiB with the
-# working tree); this script prints the sizes and fails above 48 MiB.
-#
-# The image's packages the check relies on, as they are (KINDS.md lists the image; versions.txt of
-# every check records what it found): torch (2.11 there; never installed by the check), triton,
-# numpy, sentencepiece, sacrebleu, pyyaml, psutil, filelock, tqdm, tensorboard, einops, msgpack,
-# ninja, packaging, py-cpuinfo, pytest, safetensors, transformers.
+# What it builds and fetches is bench/scripts/gpu_packages.txt's list: `built` ones (DeepSpeed
+# 0.19.8, published as a source archive only) as pure-Python wheels, their CUDA ops left out
+# (DS_BUILD_OPS=0: none is used; DeepSpeed would JIT-build one only if asked), by the repository's
+# .venv (its setup.py imports torch); `wheel` ones fetched for CPython 3.12 on manylinux x86_64, at
+# the pins of requirements.txt where it has them, else .venv's versions. The `image` ones are the
+# image's own (KINDS.md lists the image) and never installed. The device run carries .whl
+# (`carry: [".whl"]`, at most 64 MiB with the working tree); this script prints the sizes and fails
+# above 48 MiB.
 set -euo pipefail
 PYV=${1:-3.12}
 cd "$(dirname "$0")/../.."
@@ -24,23 +20,28 @@ VENV=${DEEPNET_VENV:-.venv}
 rm -rf .whl
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-pin() { grep -E "^$1==" requirements.txt | head -1; }
-venv_pin() { "$VENV/bin/python" -c "from importlib import metadata; print('$1==' + metadata.version('$1'))"; }
+PACKAGES=bench/scripts/gpu_packages.txt
+listed() { awk -v where="$1" '!/^#/ && NF == 3 && $3 == where {print $1}' "$PACKAGES"; }
+pinned() {
+  grep -m1 -iE "^$1==" requirements.txt \
+    || "$VENV/bin/python" -c "from importlib import metadata; print('$1==' + metadata.version('$1'))"
+}
 start=$SECONDS
 
-DS_BUILD_OPS=0 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w .whl \
-  "$(pin deepspeed)"
-ls .whl/deepspeed-*-py3-none-any.whl > /dev/null  # pure Python, or not at all
+for dist in $(listed built); do
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip wheel -q --no-deps --no-build-isolation --no-cache-dir -w .whl \
+    "$(pinned "$dist")"
+done
+for dist in $(listed built); do  # pure Python, or not at all
+  ls .whl/"$(echo "$dist" | tr - _)"-*-py3-none-any.whl > /dev/null
+done
 
 PLATFORMS=()
 for n in 17 24 27 28 31 34 35; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-for pkg in "$(pin megatron-core)" "$(pin Django)" "$(pin polib)" "$(pin pycountry)" \
-           "$(venv_pin hjson)" "$(venv_pin pydantic)" "$(venv_pin pydantic_core)" "$(venv_pin annotated-types)" \
-           "$(venv_pin typing-inspection)" "$(venv_pin typing_extensions)" "$(venv_pin asgiref)" \
-           "$(venv_pin sqlparse)"; do
+for dist in $(listed wheel); do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
-    "${PLATFORMS[@]}" -d .whl "$pkg" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    "${PLATFORMS[@]}" -d .whl "$(pinned "$dist")" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 done
 ls -l .whl | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 1048576, $9}'
 total=$(du -sm .whl | cut -f1)
