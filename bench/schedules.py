@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from bench import zb_costs
 from launcher.commands.bench import Bench
 
 BENCH = Bench(name="schedules", help="1F1B vs ZB-H1, steps interleaved in one launch", config=0, paths=("--out",),
@@ -155,14 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     costs = parser.add_argument_group("costs per layer kind (bench/zb_costs.py, bench/zb_replay.py)")
     costs.add_argument("--measure-costs", nargs="?", const="eager,compiled", metavar="MODES",
                        help="measure F, B, W per layer kind on this device (eager, compiled or both: the default)")
-    costs.add_argument("--model", default="deepnet-100-100-1024", help="--measure-costs: a config name or YAML path")
-    costs.add_argument("--d-model", type=int, help="--measure-costs: this width (FFN 4·d, d/64 heads) instead of the model's")
-    costs.add_argument("--sequences", type=int, help="--measure-costs: pairs per micro-batch (default: the config's "
-                                                     "data.max_tokens / --seq-len)")
-    costs.add_argument("--seq-len", type=int, default=128, help="--measure-costs: tokens per source and target sentence")
-    costs.add_argument("--precision", help="--measure-costs: fp32 | bf16 | fp16 (default bf16 on GPUs, fp32 on CPUs)")
-    costs.add_argument("--timed", type=int, default=4, help="--measure-costs: micro-batches per timed phase")
-    costs.add_argument("--repeats", type=int, default=3, help="--measure-costs: timed rounds (the median counts)")
+    zb_costs.add_arguments(costs, "--measure-costs: ")
     costs.add_argument("--replay", metavar="COSTS.json", help="replay 1F1B and ZB-H1 on measured costs")
     costs.add_argument("--mode", choices=("eager", "compiled"), help="--replay: which measurement (default compiled "
                                                                     "on GPUs, eager on CPUs)")
@@ -187,10 +181,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.out == OUT:
             args.out = "runs/zb-costs" if args.measure_costs else "runs/zb-replay"
         if args.measure_costs:
-            from bench import zb_costs
-
-            if args.sequences is None:
-                args.sequences = max(1, zb_costs.config_max_tokens(args.model) // args.seq_len)
             return zb_costs.run(args)
         from bench import zb_replay
 

@@ -253,6 +253,8 @@ def run(args) -> int:
     from parallel import accelerator
 
     cfg = scaled_model(args.model, args.d_model)
+    if args.sequences is None:
+        args.sequences = max(1, config_max_tokens(args.model) // args.seq_len)
     precision = args.precision or ("fp32" if accelerator.on_host() else "bf16")
     if not accelerator.supports(precision):
         print(f"error: --precision {precision}: this accelerator does not train in it", flush=True)
@@ -291,25 +293,30 @@ def run(args) -> int:
     return 0
 
 
+def add_arguments(parser, note: str = "") -> None:
+    """The measurement's options, for this module's command and for `./run.sh bench schedules
+    --measure-costs` (`note` prefixes their help there)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"{note}a config name or YAML path")
+    parser.add_argument("--d-model", type=int, help=f"{note}this width (FFN 4·d, d/64 heads) instead of the model's")
+    parser.add_argument("--sequences", type=int,
+                        help=f"{note}pairs per micro-batch (default: the config's data.max_tokens / --seq-len)")
+    parser.add_argument("--seq-len", type=int, default=128, help=f"{note}tokens per source and target sentence")
+    parser.add_argument("--precision", help=f"{note}fp32 | bf16 | fp16 (default bf16 on GPUs, fp32 on CPUs)")
+    parser.add_argument("--timed", type=int, default=4, help=f"{note}micro-batches per timed phase")
+    parser.add_argument("--repeats", type=int, default=3, help=f"{note}timed rounds (the median counts)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.zb_costs`: `--measure-costs` alone, with --jsonl (the GPU check's way in)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m bench.zb_costs", description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="compiled,eager", help="eager, compiled or both, in this order")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="a config name or YAML path")
-    parser.add_argument("--d-model", type=int, help="this width (FFN 4·d, d/64 heads) instead of the model's")
-    parser.add_argument("--sequences", type=int, help="pairs per micro-batch (default: data.max_tokens / --seq-len)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per source and target sentence")
-    parser.add_argument("--precision", help="fp32 | bf16 | fp16 (default bf16 on GPUs, fp32 on CPUs)")
-    parser.add_argument("--timed", type=int, default=4, help="micro-batches per timed phase")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (the median counts)")
+    add_arguments(parser)
     parser.add_argument("--out", default="runs/zb-costs", help="output folder")
     parser.add_argument("--jsonl", help="append each kind's costs to this file as one JSON line")
     args = parser.parse_args(argv)
     args.measure_costs = args.modes
-    if args.sequences is None:
-        args.sequences = max(1, config_max_tokens(args.model) // args.seq_len)
     return run(args)
 
 
