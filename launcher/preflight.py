@@ -181,8 +181,7 @@ def check_init_from(cfg: RunConfig, where: str) -> None:
     from parallel.init_from import compare, resolve
 
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
-    if not cfg.train.init_from or manifest.committed_tags(ckpt_dir) or os.path.exists(
-            os.path.join(ckpt_dir, "latest_universal")):
+    if not cfg.train.init_from or manifest.has_checkpoints(ckpt_dir):
         return
     key = f"{where}: train.init_from={cfg.train.init_from}"
     try:

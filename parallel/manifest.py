@@ -167,6 +167,14 @@ def uncommitted_tags(ckpt_dir: str) -> list[str]:
             and not os.path.exists(os.path.join(ckpt_dir, n, MANIFEST))]
 
 
+def has_checkpoints(ckpt_dir: str) -> bool:
+    """Whether a run has checkpoints of its own (committed ones, a universal one from `./run.sh
+    convert reshard`, or a `latest` naming one that is gone or damaged): it resumes, or says why it
+    cannot; a run without starts now (from train.init_from where set)."""
+    return bool(committed_tags(ckpt_dir) or os.path.exists(os.path.join(ckpt_dir, "latest_universal"))
+                or read_latest(ckpt_dir)[1])
+
+
 def read_latest(ckpt_dir: str) -> tuple[str | None, str]:
     """(tag named by `latest`, '' ) or (None, why it cannot be used); (None, '') without a file."""
     path = os.path.join(ckpt_dir, LATEST)

@@ -160,9 +160,7 @@ class Trainer:
     def start_source(self):
         """train.init_from's source when this run starts now (no checkpoint of its own to resume),
         found by every rank alike and checked against the model (parallel/init_from.py); else None."""
-        ckpt_dir = self.checkpoints.ckpt_dir
-        if not self.cfg.train.init_from or (self.checkpoints.universal() or manifest.committed_tags(ckpt_dir)
-                                            or manifest.read_latest(ckpt_dir)[1]):
+        if not self.cfg.train.init_from or manifest.has_checkpoints(self.checkpoints.ckpt_dir):
             return None
         from parallel.checkpoints import CheckpointError
 
