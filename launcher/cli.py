@@ -17,6 +17,11 @@ from launcher.options import enter_root
 from trainer.config import ConfigError
 
 
+BROKEN_PIPE_EXIT = 128 + 13
+"""The exit code of a command whose output was closed (`./run.sh train | head -3` before any rank
+started): a shell's for a process ended by SIGPIPE, never 0, as the command did not finish."""
+
+
 def commands() -> dict:
     return {name: importlib.import_module(f"launcher.commands.{name}")
             for _, name, _ in pkgutil.iter_modules(launcher.commands.__path__) if not name.startswith("_")}
@@ -41,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say
+    except BrokenPipeError:  # the reader went away (`| head`): stopped where it was, as by SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return BROKEN_PIPE_EXIT
     except OSError as e:  # a file or folder the command cannot use (permissions, a full disk)
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr)

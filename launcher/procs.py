@@ -21,7 +21,7 @@ its children, then SIGKILLs them 30 s later, and ends the rest when one rank exi
   the supervisor itself dies (kill -9)           → every rank watches it (`watch_owner`) and exits.
   its parent shell dies                          → it gets SIGHUP (PR_SET_PDEATHSIG), unless SIGHUP
       was ignored when it started (`nohup ./run.sh train &` keeps running).
-  a rank dies                                    → the supervisor names it and ends the others.
+  a rank dies                                    → the supervisor names it and SIGKILLs the others.
 
 The rank half (`install_rank_handlers`, `watch_owner`) runs in every training process and lives in
 trainer/signals.py; under SLURM (no supervisor; srun signals every task itself) only the signal
@@ -50,7 +50,7 @@ class Supervisor:
         self.ranks: dict[int, int] = {}  # pid → global rank
         self.signalled: set[int] = set()
         self.dead_rank: tuple[int, int] | None = None
-        self.dead_code = 1  # the exit status of the rank that died first (a signal: 128 + N)
+        self.dead_code = 1  # the exit status of the rank that died first (a signal N: -N)
         self.vanished: dict[int, int] = {}  # pid → rank, ended and already reaped by the launcher
         self.dead_why = ""  # how the rank that died first ended ("exit code 1", "signal SIGKILL")
 
@@ -183,7 +183,9 @@ class Supervisor:
         others = sorted(r for _, r, _, _ in dead if r != rank)
         also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed with it)" if others else ""
         self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks{also}")
-        self._signal_ranks(signal.SIGINT)
+        # SIGKILL: a peer's collectives can only fail now, and a rank still importing would print a
+        # KeyboardInterrupt traceback for SIGINT (its handler is not installed yet)
+        self._signal_ranks(signal.SIGKILL)
         self.deadline = time.monotonic() + KILL_AFTER
 
     def run(self, announce=lambda: None) -> int:
@@ -250,12 +252,13 @@ class Supervisor:
             if len(self.signals) > 1:
                 return "stopped", f"{name}, then another signal: every process of the run was killed"
             if self.signals[0] in CHECKPOINT_SIGNALS:
-                return "stopped", f"{name}: the ranks exited without a checkpoint (exit code {rc})"
+                return "stopped", f"{name}: the ranks exited without a checkpoint"
             what = {signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}.get(self.signals[0], "")
             return "stopped", f"{name}{f' ({what})' if what else ''}: every rank stopped at once, without a checkpoint"
         if self.dead_rank:
-            return "failed", f"rank {self.dead_rank[0]} (PID {self.dead_rank[1]}) died ({self.dead_why})"
-        return "failed", f"the ranks ended with exit code {rc}"
+            how = f" ({self.dead_why})" if self.dead_code < 0 else ""  # the end line adds the exit code
+            return "failed", f"rank {self.dead_rank[0]} (PID {self.dead_rank[1]}) died{how}"
+        return "failed", "the ranks ended with an error"
 
     def _reap_group(self) -> None:
         end = time.monotonic() + KILL_AFTER

@@ -401,3 +401,16 @@ def test_the_supervisor_names_the_killed_rank_not_the_peer_that_failed_with_it()
         assert lines == [f"rank {killed_rank} (PID {victim.pid}) died (signal SIGKILL); stopping the other ranks "
                          f"(rank {1 - killed_rank} failed with it)"]
         peer.wait(), victim.wait()
+        assert sup.ending(137) == ("failed", f"rank {killed_rank} (PID {victim.pid}) died (signal SIGKILL)")
+
+    # a rank that exited with an error alone: its reason leaves the exit code to the end line
+    peer = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and psutil.Process(peer.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    sup = Supervisor(["true"], {}, ROOT, 1.0, log=lambda line: None)
+    sup._signal_ranks = lambda signum: None
+    sup.ranks = {peer.pid: 0}
+    sup._check_ranks()
+    assert sup.ending(1) == ("failed", f"rank 0 (PID {peer.pid}) died")  # the end line: "… died (exit code 1)"
+    peer.wait()

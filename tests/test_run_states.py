@@ -166,3 +166,19 @@ def test_a_divergence_stop_exits_3_and_is_recorded(tiny_data, tmp_path):
     s = _summary(run_dir)
     assert (s["state"], s["exit_code"]) == ("diverged", 3) and "train.divergence_policy=stop" in s["reason"]
     assert _log(run_dir)[-1].startswith("end | diverged: step ")
+
+
+def test_a_closed_output_before_the_ranks_start_is_no_finish(tiny_data, tmp_path):
+    """`./run.sh train … | head -3` whose reader is gone before the ranks start: exit 141 (a shell's
+    for SIGPIPE), nothing trained or recorded, no traceback; `config` the same."""
+    run_dir = str(tmp_path / "run")
+    config = write_run_config(str(tmp_path / "run.yaml"), run_dir, tiny_data, train={"max_steps": 2})
+    for command in (["train", config, "--eval-sentences", "0"], ["config", config]):
+        read, write = os.pipe()
+        os.close(read)  # the reader went away before the first line
+        proc = subprocess.run([sys.executable, "-m", "launcher.cli", *command], cwd=ROOT, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+        os.close(write)
+        assert proc.returncode == 141 and "Traceback" not in proc.stderr, (command[0], proc.returncode, proc.stderr)
+    left = set(os.listdir(run_dir)) & {"config.json", "summary.json", "train.log", "checkpoints"}
+    assert not left, left
