@@ -6,8 +6,9 @@
 # The first call creates .venv from requirements.txt; later calls update it when that file changes.
 # DEEPNET_VENV=DIR uses another environment; DEEPNET_NO_INSTALL=1 uses it as it is (no pip: offline
 # GPU machines whose python already has the packages, e.g. DEEPNET_VENV=$(python3 -c 'import sys;print(sys.prefix)')).
-# Commands run from the repository root (relative paths inside a config point there); paths on the
-# command line are the caller's: DEEPNET_CALLER_CWD tells the commands where it was called from.
+# Commands run from the repository root; relative paths inside a config are from the config's folder,
+# paths on the command line (and given with --set) from the caller's: DEEPNET_CALLER_CWD tells the
+# commands where it was called from (docs/configuration.md#paths).
 set -euo pipefail
 CALLER_CWD=$(pwd)
 cd "$(dirname "$0")"

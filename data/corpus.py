@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data.errors import DataError
+from schema.fields import PATH_RULE
 
 SPLITS = ("train", "dev", "test")
 # Byte-order marks, longest first (UTF-32LE's starts with UTF-16LE's).
@@ -178,8 +179,7 @@ def list_pairs(corpus_dir: str) -> list[CorpusPair]:
     if not os.path.isdir(corpus_dir):
         what = "is not a folder" if os.path.lexists(corpus_dir) else "does not exist"
         raise DataError(
-            f"data.corpus: {os.path.abspath(corpus_dir)} {what} (a relative path in a config is from the config "
-            "file's folder, with --set from yours); set data.corpus to a corpus folder, "
+            f"data.corpus: {os.path.abspath(corpus_dir)} {what} ({PATH_RULE}); set data.corpus to a corpus folder, "
             "'gettext:<folder of .po/.mo catalogs>' or 'bundled:django'"
         )
     found: dict[tuple[str, str], dict[str, dict[str, str]]] = {}

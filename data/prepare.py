@@ -50,6 +50,7 @@ from data.validate import (
     write_report,
 )
 from data.workers import run_tasks, worker_count
+from schema.fields import PATH_RULE
 
 MANIFEST = "manifest.json"
 SPM_MODEL = "spm.model"
@@ -227,7 +228,9 @@ def check_corpus(cfg: DataConfig) -> None:
     if cfg.corpus == BUNDLED_DJANGO or cfg.corpus.startswith(GETTEXT_PREFIX):
         root = django_locale_root() if cfg.corpus == BUNDLED_DJANGO else cfg.corpus[len(GETTEXT_PREFIX):]
         if not os.path.isdir(root):
-            raise DataError(f"data.corpus={cfg.corpus!r}: {root!r} is not a folder of gettext catalogs")
+            what = "is not a folder" if os.path.lexists(root) else "does not exist"
+            raise DataError(f"data.corpus={cfg.corpus!r}: {root} {what} ({PATH_RULE}); give a folder of gettext "
+                            "catalogs (.po/.mo) after gettext:")
         catalogs = find_catalogs(root)
         missing = [language for language in cfg.languages if language not in catalogs]
         if missing:

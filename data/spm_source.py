@@ -13,6 +13,7 @@ import zipfile
 
 from data.errors import DataError
 from data.spm import Tokenizer, language_tag, train_spm, write_sample
+from schema.fields import PATH_RULE
 
 CHECKPOINT_FILE = "mp_rank_00_model_states.pt"  # what marks a DeepSpeed checkpoint folder
 
@@ -54,7 +55,7 @@ def read_spm(source: str) -> bytes:
         tokenizer(data, where)  # a SentencePiece model with this trainer's special ids
         return data
     if not os.path.isdir(source):
-        raise DataError(f"{where}: no such file or folder")
+        raise DataError(f"{where}: no such file or folder ({PATH_RULE})")
     folders = [source, os.path.join(source, "data")]
     if os.path.exists(os.path.join(source, CHECKPOINT_FILE)) or os.path.isdir(os.path.join(source, "zero")):
         folders.append(os.path.join(source, os.pardir, os.pardir, "data"))  # <run>/checkpoints/<tag>

@@ -74,7 +74,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, default: str | None = 
 def add_set_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE",
                         help="change one key of the config, e.g. --set train.max_steps=400 (repeatable; "
-                             "typed and checked like the YAML file; config.json records the result)")
+                             "typed and checked like the YAML file)")
 
 
 def run_dir_override(args: argparse.Namespace) -> dict | None:

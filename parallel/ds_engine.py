@@ -99,6 +99,15 @@ class TrainerEngine(MessageIO, PipelineEngine):
         names = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
         return names if all(os.path.exists(name) for name in names) else None
 
+    def _get_all_zero_checkpoints(self, load_dir, tag):
+        """DeepSpeed's, less its warning on the console, which calls every checkpoint of the other
+        family fp16 (an fp32 one too); the resume lists the precision change itself."""
+        for bf16_mode in (self.bfloat16_enabled(), not self.bfloat16_enabled()):
+            names = self._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
+            if names is not None:
+                return self._get_all_zero_checkpoint_state_dicts(names)
+        return None
+
     def _configure_optimizer(self, client_optimizer, model_parameters):
         if not flat.applies(self, client_optimizer):
             return super()._configure_optimizer(client_optimizer, model_parameters)

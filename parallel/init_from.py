@@ -27,6 +27,7 @@ from parallel import manifest
 from parallel.checkpoints import (CONSOLIDATED_FORMAT, MODEL_EXPECTED, CheckpointError, checkpoint_meta, load_file, locate,
                                   model_config, pipeline_state)
 from parallel.pipeline import plain_name
+from schema.fields import PATH_RULE
 
 FUNCTION_KEYS = ("norm", "activation", "heads", "layernorm_eps")
 """Model keys under which the same weights compute another function."""
@@ -72,7 +73,7 @@ def resolve(given: str, verify: bool = False, log=print) -> Source:
         return Source(given, path, model_config(package["model_config"], path),
                       int((package.get("source") or {}).get("step") or 0))
     if not os.path.isdir(path):
-        raise CheckpointError(f"{given}: no such run directory, checkpoint folder or model file")
+        raise CheckpointError(f"{given}: no such run directory, checkpoint folder or model file ({PATH_RULE})")
     tag_dir = path if _is_checkpoint(path) else None
     if tag_dir is None:
         ckpt_dir = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")

@@ -19,6 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+PATH_RULE = "a relative path in a config is from the config file's folder, with --set from yours"
+"""How the path keys' relative values are read (trainer/config.py `anchor_path`); every error about
+a path that is not there gives it."""
+
 _BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt), ("le", "<=", operator.le),
            ("lt", "<", operator.lt))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
 import yaml
 
 from tests.bad_inputs import assert_one_line_error, base_config, good_corpus, run_cli, write_case
@@ -96,3 +97,23 @@ def test_command_line_paths_in_process_follow_the_callers_folder(tmp_path, capsy
     assert caller_cwd() == str(tmp_path) and os.getcwd() == ROOT and "DEEPNET_CALLER_CWD" not in os.environ
     monkeypatch.setenv("DEEPNET_CALLER_CWD", str(tmp_path))
     assert_one_line_error(*run_cli(["translate", "no-model", "--to", "de"], capsys), [f"{tmp_path}/no-model"])
+
+
+@pytest.mark.parametrize("key,value,command,says", [
+    ("data.corpus", "gettext:gone", "prepare", "{project}/gone does not exist"),
+    ("data.spm_model", "gone/spm.model", "prepare", "{project}/gone/spm.model': no such file or folder"),
+    ("train.init_from", "gone-run", "train", "{project}/gone-run: no such run directory, checkpoint folder or model file"),
+])
+def test_every_path_key_that_is_not_there_gets_the_path_and_the_rule(key, value, command, says, tmp_path, capsys):
+    """A relative path key naming nothing: one line with the absolute path it checked and the rule
+    (schema/fields.py PATH_RULE), before anything is written."""
+    from schema.fields import PATH_RULE
+
+    project = tmp_path / "project"
+    project.mkdir()
+    cfg = base_config(tmp_path)
+    section, name = key.split(".")
+    cfg[section][name] = value
+    (project / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    code, out, err = run_cli([command, str(project / "cfg.yaml")], capsys)
+    assert_one_line_error(code, out, err, [key, says.format(project=project), PATH_RULE])

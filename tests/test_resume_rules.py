@@ -174,6 +174,16 @@ def test_train_log_valid_and_save_intervals(resumed):
     assert _steps(log, "saved checkpoint") == [5, 8]  # save_interval 5, and the end (was 2)
 
 
+def test_the_changed_settings_are_in_train_log(resumed):
+    from tests.dist.resume_worker import CHANGED
+
+    lines = [line.split(" | ", 1)[1] for line in resumed[0]["ran"]["log"] if "settings changed since" in line]
+    assert len(lines) == 1 and lines[0].startswith("settings changed since the last launch (config.json): "), lines
+    changes = lines[0].split(": ", 1)[1].split("; ")
+    assert sorted(change.split(" ")[0] for change in changes) == sorted(CHANGED), changes
+    assert "train.clip_norm 0.0 → 0.001" in changes
+
+
 def test_train_keep_checkpoints(resumed):
     assert _each(resumed, "ran", "committed") == [["step8"], ["step8"]]  # keep 1 (was 3)
 

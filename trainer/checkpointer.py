@@ -27,7 +27,7 @@ import torch
 from parallel import manifest, rng
 from parallel.checkpoints import kept_loss_scale
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import record_stop, resume_differences, saved_run_config
+from trainer.run_dir import record_stop, resume_differences, saved_run_config, setting_changes
 from trainer.progress import LOG_NAME, append_log, same_file
 from trainer.signals import NO_ROOM_EXIT_CODE
 
@@ -132,13 +132,16 @@ class Checkpointer:
     def record_launch(self, max_steps: int) -> None:
         """config.json: this launch's config (train.max_steps as this launch trains to), written by
         rank 0 before the first step: the record a later launch compares with and reads the run's
-        state from (trainer/run_dir.py `relaunch`)."""
+        state from (trainer/run_dir.py `relaunch`); train.log gets the settings changed since the last."""
         self.max_steps = max_steps
         if self.layout.rank != 0:
             return
+        record = self.launch_config()
+        changes = setting_changes(self.saved, record) if self.saved else []
+        if changes:  # ./run.sh train printed them before the ranks started; the run's log keeps them
+            append_log(self.cfg.run_dir, f"settings changed since the last launch (config.json): {'; '.join(changes)}")
         try:
-            manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"),
-                                  json.dumps(self.launch_config(), indent=2))
+            manifest.write_atomic(os.path.join(self.cfg.run_dir, "config.json"), json.dumps(record, indent=2))
         except OSError as e:
             log0(f"warning: could not write {self.cfg.run_dir}/config.json ({e.strerror or e}); the next "
                  "checkpoint's manifest records the config")
