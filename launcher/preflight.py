@@ -9,7 +9,7 @@ import os
 import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import (TRAIN, launched_max_steps, record_ending, relaunch,
+from trainer.run_dir import (TRAIN, launched_max_steps, record_ending, refusal_hint, relaunch,
                             resume_differences, saved_run_config, setting_changes)
 
 
@@ -78,13 +78,15 @@ def check_resume(cfg: RunConfig, where: str) -> dict | None:
     """An existing run directory is resumed: refuse a config whose model or layout differs from
     the one its checkpoints were trained with (`saved_run_config`), naming the keys (the keys
     trainer/run_dir.py's RESUME_RULES fixes). Returns the recorded config (None for a new run)."""
+    from launcher.options import shown_path
+
     saved = saved_run_config(cfg.run_dir, restore=False)  # the ranks restore it, holding the run lock
     if saved is None:
         return None
     diffs = resume_differences(saved, to_dict(cfg))
     if diffs:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
-                          f"({'; '.join(diffs)}); use a new run_dir, or convert the checkpoint")
+                          f"({'; '.join(diffs)}); {refusal_hint(diffs, shown_path(cfg.run_dir))}")
     check_resume_data(cfg, saved, where)
     return saved
 

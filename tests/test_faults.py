@@ -251,7 +251,8 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
     assert (f"{run_dir}/config.json is missing: using the config recorded in the manifest of checkpoint {newest}"
             in refused.stdout), refused.stdout
     assert refused.stderr.endswith("was trained with another model or layout (model.ffn_dim: 64 → 48); use a new "
-                                   "run_dir, or convert the checkpoint\n"), refused.stderr
+                                   f"run_dir (train.init_from={run_dir} starts it from this run's weights where the "
+                                   "model's shapes allow)\n"), refused.stderr
     assert not os.path.exists(os.path.join(run_dir, "config.json"))
 
     # 7. SIGTERM right after the launch line, before the ranks could handle it: the supervisor

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import run_worker, write_run_config
 from tests.dist.resume_worker import CHANGED, LAYOUT_CHANGED
 from trainer.config import ConfigError, RunConfig, load_config, to_dict
-from trainer.run_dir import FIXED, HONOURED, PREPARED, RESUME_RULES
+from trainer.run_dir import FIXED, HONOURED, PREPARED, RESHARDABLE, RESUME_RULES
 
 CONFIG = {"train": {"max_steps": 4, "micro_batches": 2, "lr": 2e-3, "warmup_steps": 4, "save_interval": 2,
                     "keep_checkpoints": 3, "valid_interval": 100, "log_interval": 1},
@@ -108,6 +108,9 @@ def test_a_fixed_or_prepared_key_changed_for_a_resume_is_refused_before_launch(k
     with pytest.raises(ConfigError) as refused:
         check_resume(cfg, path)
     assert f"{key}: {record[section][name]!r} → {value!r}" in str(refused.value), str(refused.value)
+    if RESUME_RULES[key] == FIXED:  # what can be done: reshard a layout, or a new run (from these weights)
+        hint = "./run.sh convert reshard" if key in RESHARDABLE else "use a new run_dir (train.init_from="
+        assert hint in str(refused.value), str(refused.value)
 
 
 # ---- honoured keys: the resumed run uses the new value --------------------------------------------
@@ -175,8 +178,6 @@ def test_train_log_valid_and_save_intervals(resumed):
 
 
 def test_the_changed_settings_are_in_train_log(resumed):
-    from tests.dist.resume_worker import CHANGED
-
     lines = [line.split(" | ", 1)[1] for line in resumed[0]["ran"]["log"] if "settings changed since" in line]
     assert len(lines) == 1 and lines[0].startswith("settings changed since the last launch (config.json): "), lines
     changes = lines[0].split(": ", 1)[1].split("; ")

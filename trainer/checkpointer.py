@@ -27,7 +27,7 @@ import torch
 from parallel import manifest, rng
 from parallel.checkpoints import kept_loss_scale
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import record_stop, resume_differences, saved_run_config, setting_changes
+from trainer.run_dir import record_stop, refusal_hint, resume_differences, saved_run_config, setting_changes
 from trainer.progress import LOG_NAME, append_log, same_file
 from trainer.signals import NO_ROOM_EXIT_CODE
 
@@ -254,7 +254,7 @@ class Checkpointer:
         diffs = resume_differences(saved, to_dict(self.cfg))
         if diffs:
             raise SystemExit(f"error: {self.ckpt_dir} was trained with another model or layout "
-                             f"({'; '.join(diffs)}). Use a new run_dir, or convert the checkpoint.")
+                             f"({'; '.join(diffs)}); {refusal_hint(diffs, self.cfg.run_dir)}")
 
     def save(self, step: int, client: dict) -> str:
         """Every rank writes its files, then the manifest commits them (parallel/manifest.py): only

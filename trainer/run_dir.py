@@ -63,6 +63,20 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
             for section, key in FIXED_ON_RESUME if differs(section, key)]
 
 
+RESHARDABLE = {"parallel.pipeline_stages", "parallel.data_parallel", "parallel.partition_method"}
+"""The fixed keys `./run.sh convert reshard` changes (a universal checkpoint loads by name)."""
+
+
+def refusal_hint(differences: list[str], run_dir: str) -> str:
+    """What a user can do about a resume refused for `differences` (resume_differences' lines)."""
+    keys = {line.split(":")[0] for line in differences}
+    if keys <= RESHARDABLE:
+        return (f"to resume at the new layout: ./run.sh convert reshard {run_dir} NEW_RUN_DIR --pipeline-stages P "
+                "--data-parallel D; or use a new run_dir")
+    return (f"use a new run_dir (train.init_from={run_dir} starts it from this run's weights where the model's "
+            "shapes allow)")
+
+
 def recorded(saved: dict, section: str, key: str):
     """The recorded value of `section.key`; for a key added since the record was written, its
     default (what the run had then)."""
