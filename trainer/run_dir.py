@@ -63,8 +63,8 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
             for section, key in FIXED_ON_RESUME if differs(section, key)]
 
 
-RESHARDABLE = {"parallel.pipeline_stages", "parallel.data_parallel", "parallel.partition_method"}
-"""The fixed keys `./run.sh convert reshard` changes (a universal checkpoint loads by name)."""
+RESHARDABLE = {"parallel.pipeline_stages", "parallel.data_parallel"}
+"""The fixed keys `./run.sh convert reshard` changes (--pipeline-stages, --data-parallel)."""
 
 
 def refusal_hint(differences: list[str], run_dir: str) -> str:
