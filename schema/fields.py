@@ -12,6 +12,7 @@ problem is a ConfigError that names the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import operator
 import typing
@@ -159,7 +160,9 @@ def from_dict(cls, values: dict, where: str, prefix: str = ""):
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [str(k) for k in values if k not in known]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {prefix}{unknown[0]}; the keys{' of ' + section if prefix else ''} "
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        raise ConfigError(f"{where}: unknown key {prefix}{unknown[0]}{hint}; the keys{' of ' + section if prefix else ''} "
                           f"are {', '.join(known)}")
 
     def build(item_cls, mapping, key):

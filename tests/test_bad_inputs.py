@@ -99,6 +99,8 @@ CONFIG_CASES = [
     ("duplicate-nested-key", "train:\n  lr: 0.1\n  lr: 0.001\n", ["cfg.yaml line 3", "lr", "twice"]),
     ("unknown-top-key", with_key("modle", {"heads": 4}), ["modle"]),
     ("unknown-model-key", with_key("model.layers", 6), ["model.layers"]),
+    ("typo-train-key", with_key("train.max_stepz", 4), ["train.max_stepz", "(did you mean train.max_steps?)"]),
+    ("typo-section", with_key("trian", {"lr": 0.1}), ["unknown key trian", "(did you mean train?)"]),
     ("non-string-key", text_after("1: 2\n"), ["unknown key 1"]),
     ("list-as-key", "? [a, b]\n: 1\n", ["cfg.yaml line 1", "key"]),
     ("lr-huge-int", with_key("train.lr", 10**400), ["train.lr", "too large"]),
