@@ -4,13 +4,14 @@ resumed with the model and layout it was trained with, and a finished run is rec
 starting a rank. (`trainer/config.py` checks the config itself.)"""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import (TRAIN, launched_max_steps, record_ending, refusal_hint, relaunch,
-                            resume_differences, saved_run_config, setting_changes)
+from trainer.run_dir import (PREEMPTED_MARKER, STOPPED_MARKER, TRAIN, launched_max_steps, record_ending,
+                            refusal_hint, relaunch, resume_differences, saved_run_config, setting_changes)
 
 
 def parameters(cfg: RunConfig) -> int:
@@ -116,6 +117,9 @@ def end_run_here(cfg: RunConfig, saved: dict, line: str) -> None:
     step = newest_step(cfg)
     record = dict(saved, train=dict(saved.get("train", {}), max_steps=step))
     manifest.write_atomic(os.path.join(cfg.run_dir, "config.json"), json.dumps(record, indent=2))
+    for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # a finished run is neither requeued nor stopped
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(cfg.run_dir, marker))
     record_ending(cfg.run_dir, "finished", f"ended at step {step} by a launch with train.max_steps={step} "
                   f"(it had been launched with {launched_max_steps(saved)})", 0)
 

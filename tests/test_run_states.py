@@ -182,3 +182,32 @@ def test_a_closed_output_before_the_ranks_start_is_no_finish(tiny_data, tmp_path
         assert proc.returncode == 141 and "Traceback" not in proc.stderr, (command[0], proc.returncode, proc.stderr)
     left = set(os.listdir(run_dir)) & {"config.json", "summary.json", "train.log", "checkpoints"}
     assert not left, left
+
+
+def test_a_run_ended_where_it_stopped_keeps_that_launchs_numbers_and_is_not_requeued(tmp_path):
+    """END_HERE (stopped at 3 of 6, relaunched with max_steps=3): summary.json keeps the numbers of
+    the launch that reached step 3 under its new state, and the stop's requeue marker is gone."""
+    from launcher.preflight import end_run_here
+    from parallel import manifest
+    from trainer.config import RunConfig
+    from trainer.run_dir import PREEMPTED_MARKER
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step3" / "weights.pt").write_bytes(b"w" * 64)
+    manifest.commit(str(run_dir / "checkpoints"), "step3", 3)
+    stopped = {"steps": 3, "train_loss": [7.1, 6.9, 6.8], "target_tokens_per_s": 5000.0, "state": "stopped",
+               "reason": "SIGTERM: checkpointed at step 3, to be resumed", "exit_code": 75,
+               "checkpoint": "checkpoints/step3", "log": "train.log"}
+    (run_dir / "summary.json").write_text(json.dumps(stopped))
+    (run_dir / PREEMPTED_MARKER).write_text("{}")
+    cfg = RunConfig()
+    cfg.run_dir = str(run_dir)
+    end_run_here(cfg, {"train": {"max_steps": 6}}, "")
+    assert _summary(str(run_dir)) == {**stopped, "state": "finished", "exit_code": 0,
+                                      "reason": "ended at step 3 by a launch with train.max_steps=3 (it had been "
+                                                "launched with 6)"}
+    assert not (run_dir / PREEMPTED_MARKER).exists()
+    assert json.loads((run_dir / "config.json").read_text())["train"]["max_steps"] == 3
+    assert _log(str(run_dir))[-1] == ("end | finished: ended at step 3 by a launch with train.max_steps=3 (it had "
+                                      "been launched with 6) (exit code 0); newest checkpoint checkpoints/step3")
