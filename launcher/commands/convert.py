@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from launcher.options import user_path
+from launcher.options import shown_path, user_path
 
 HELP = ("checkpoints: 'consolidate' into one model file, 'average' several into one, 'reshard' to another "
         "pp × dp layout")
@@ -59,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
             out = args.out or os.path.join(run_dir, f"model-{tag}.pt")
             source = consolidate(args.source, out, args.tag)
             size = os.path.getsize(out) / 2**20
-            print(f"wrote {out} ({size:.1f} MiB, step {source['step']}, from {source['checkpoint']}) in "
-                  f"{time.perf_counter() - start:.1f} s; use it with ./run.sh translate {out} --to LANG")
+            print(f"wrote {shown_path(out)} ({size:.1f} MiB, step {source['step']}, from {source['checkpoint']}) in "
+                  f"{time.perf_counter() - start:.1f} s; use it with ./run.sh translate {shown_path(out)} --to LANG")
         else:
             config = reshard(args.source, args.out_run_dir, args.pipeline_stages, args.data_parallel,
                              args.tag, args.max_steps,
                              check_config=lambda run_cfg: check_run_config(run_cfg, "the resharded config"))
             print(f"wrote a universal checkpoint for {args.pipeline_stages} stages × {args.data_parallel} "
-                  f"replicas in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {config}")
+                  f"replicas in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {shown_path(config)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,6 +92,7 @@ def _average(args: argparse.Namespace, start: float) -> int:
         raise CheckpointError(f"{out} exists; pass --force to replace it, or --out another file")
     source = average(sources, out)
     steps = ", ".join(str(a["step"]) for a in source["averaged"])
-    print(f"wrote {out} ({os.path.getsize(out) / 2**20:.1f} MiB): the mean of {len(sources)} checkpoints "
-          f"(steps {steps}) in {time.perf_counter() - start:.1f} s; use it with ./run.sh eval RUN_DIR --model {out}")
+    print(f"wrote {shown_path(out)} ({os.path.getsize(out) / 2**20:.1f} MiB): the mean of {len(sources)} checkpoints "
+          f"(steps {steps}) in {time.perf_counter() - start:.1f} s; use it with ./run.sh eval RUN_DIR --model "
+          f"{shown_path(out)}")
     return 0
