@@ -10,8 +10,8 @@ import os
 import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import (PREEMPTED_MARKER, STOPPED_MARKER, TRAIN, launched_max_steps, record_ending,
-                            refusal_hint, relaunch, resume_differences, saved_run_config, setting_changes)
+from trainer.run_dir import (PREEMPTED_MARKER, STOPPED_MARKER, SUMMARY_NAME, TRAIN, launched_max_steps,
+                            record_ending, refusal_hint, relaunch, resume_differences, saved_run_config, setting_changes)
 
 
 def parameters(cfg: RunConfig) -> int:
@@ -120,8 +120,14 @@ def end_run_here(cfg: RunConfig, saved: dict, line: str) -> None:
     for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # a finished run is neither requeued nor stopped
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(cfg.run_dir, marker))
+    summary = None  # the numbers of the launch that stopped at this step, where its summary is still there
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(cfg.run_dir, SUMMARY_NAME), encoding="utf-8") as f:
+            before = json.load(f)
+        if isinstance(before, dict) and before.get("steps") == step and before.get("checkpoint"):
+            summary = dict(before, max_steps=step)
     record_ending(cfg.run_dir, "finished", f"ended at step {step} by a launch with train.max_steps={step} "
-                  f"(it had been launched with {launched_max_steps(saved)})", 0)
+                  f"(it had been launched with {launched_max_steps(saved)})", 0, summary)
 
 
 def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:

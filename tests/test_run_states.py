@@ -196,7 +196,7 @@ def test_a_run_ended_where_it_stopped_keeps_that_launchs_numbers_and_is_not_requ
     (run_dir / "checkpoints" / "step3").mkdir(parents=True)
     (run_dir / "checkpoints" / "step3" / "weights.pt").write_bytes(b"w" * 64)
     manifest.commit(str(run_dir / "checkpoints"), "step3", 3)
-    stopped = {"steps": 3, "train_loss": [7.1, 6.9, 6.8], "target_tokens_per_s": 5000.0, "state": "stopped",
+    stopped = {"steps": 3, "max_steps": 6, "last_valid_loss": 6.8, "mean_target_tokens_per_s": 5000.0, "state": "stopped",
                "reason": "SIGTERM: checkpointed at step 3, to be resumed", "exit_code": 75,
                "checkpoint": "checkpoints/step3", "log": "train.log"}
     (run_dir / "summary.json").write_text(json.dumps(stopped))
@@ -204,7 +204,7 @@ def test_a_run_ended_where_it_stopped_keeps_that_launchs_numbers_and_is_not_requ
     cfg = RunConfig()
     cfg.run_dir = str(run_dir)
     end_run_here(cfg, {"train": {"max_steps": 6}}, "")
-    assert _summary(str(run_dir)) == {**stopped, "state": "finished", "exit_code": 0,
+    assert _summary(str(run_dir)) == {**stopped, "max_steps": 3, "state": "finished", "exit_code": 0,
                                       "reason": "ended at step 3 by a launch with train.max_steps=3 (it had been "
                                                 "launched with 6)"}
     assert not (run_dir / PREEMPTED_MARKER).exists()

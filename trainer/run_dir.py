@@ -221,15 +221,8 @@ def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dic
     if summary is None:
         ckpt_dir = os.path.join(run_dir, "checkpoints")
         newest = manifest.newest_committed(ckpt_dir)
-        steps = int(newest[len("step"):]) if newest else 0
-        try:  # the numbers of the launch that reached this checkpoint, where the summary is still its
-            with open(os.path.join(run_dir, SUMMARY_NAME), encoding="utf-8") as f:
-                before = json.load(f)
-            if isinstance(before, dict) and before.get("steps") == steps:
-                record.update(before)
-        except (OSError, ValueError):
-            pass
-        record.update(steps=steps, checkpoint=os.path.join("checkpoints", newest) if newest else None, log="train.log")
+        record.update(steps=int(newest[len("step"):]) if newest else 0,
+                      checkpoint=os.path.join("checkpoints", newest) if newest else None, log="train.log")
     record.update(state=state, reason=reason, exit_code=code)
     try:
         manifest.write_atomic(os.path.join(run_dir, SUMMARY_NAME), json.dumps(record, indent=2) + "\n")
