@@ -88,7 +88,7 @@ def test_divergence_stop_applies_nothing_and_saves_nothing(worker):
     summary = r["summary"]  # written on the way out, with the event and the reason
     assert (summary["state"], summary["reason"], summary["exit_code"]) == ("diverged", r["stopped"], 3)
     assert summary["divergence_events"] == 1
-    assert summary["steps"] == 3 and summary["checkpoint"].endswith("step2")  # stopped at 3, saved at 2
+    assert summary["steps"] == 2 and summary["checkpoint"].endswith("step2")  # 2 applied (3 refused), saved at 2
 
 
 def test_divergence_skip_drops_the_spike_and_keeps_training(worker):

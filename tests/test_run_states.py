@@ -165,7 +165,9 @@ def test_a_divergence_stop_exits_3_and_is_recorded(tiny_data, tmp_path):
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = _summary(run_dir)
     assert (s["state"], s["exit_code"]) == ("diverged", 3) and "train.divergence_policy=stop" in s["reason"]
-    assert _log(run_dir)[-1].startswith("end | diverged: step ")
+    refused = int(re.match(r"step (\d+): ", s["reason"]).group(1))
+    assert s["steps"] == refused - 1  # the steps applied: not the one whose update was refused
+    assert _log(run_dir)[-1].startswith(f"end | diverged: step {refused}: ")
 
 
 def test_a_closed_output_before_the_ranks_start_is_no_finish(tiny_data, tmp_path):

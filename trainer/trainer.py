@@ -368,7 +368,7 @@ class Trainer:
         tps = self.history["tokens_per_s"]
         newest = manifest.newest_committed(self.ckpt_dir)
         summary = {
-            "steps": self.step,
+            "steps": self.step - (state == "diverged"),  # a divergence stop ends inside a step it did not apply
             "max_steps": self.max_steps,
             "first_valid_loss": valid[0][1] if valid else None,
             "last_valid_loss": valid[-1][1] if valid else None,
