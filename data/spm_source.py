@@ -19,16 +19,19 @@ CHECKPOINT_FILE = "mp_rank_00_model_states.pt"  # what marks a DeepSpeed checkpo
 
 
 def _model_in(folder: str) -> str | None:
-    """The SentencePiece model file of a prepared data folder (its manifest names it)."""
+    """The SentencePiece model file of a prepared data folder (its manifest names it); None for
+    a folder without one, or whose manifest.json is another kind's (a checkpoint's lists files)."""
     manifest = os.path.join(folder, "manifest.json")
     if not os.path.isfile(manifest):
         return None
     try:
         with open(manifest, encoding="utf-8") as handle:
-            name = json.load(handle).get("spm_model", "spm.model")
-    except (OSError, ValueError, AttributeError):
+            record = json.load(handle)
+    except (OSError, ValueError):
         return None
-    return os.path.join(folder, name)
+    if not isinstance(record, dict) or "spm_sha256" not in record:
+        return None
+    return os.path.join(folder, record.get("spm_model", "spm.model"))
 
 
 def read_spm(source: str) -> bytes:
@@ -58,7 +61,7 @@ def read_spm(source: str) -> bytes:
         raise DataError(f"{where}: no such file or folder ({PATH_RULE})")
     folders = [source, os.path.join(source, "data")]
     if os.path.exists(os.path.join(source, CHECKPOINT_FILE)) or os.path.isdir(os.path.join(source, "zero")):
-        folders.append(os.path.join(source, os.pardir, os.pardir, "data"))  # <run>/checkpoints/<tag>
+        folders = [os.path.join(source, os.pardir, os.pardir, "data")]  # <run>/checkpoints/<tag>: the run's data
     if os.path.basename(os.path.normpath(source)) == "checkpoints":
         folders.append(os.path.join(source, os.pardir, "data"))
     for folder in folders:

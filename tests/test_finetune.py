@@ -67,6 +67,27 @@ def test_a_run_started_from_a_checkpoint_folder_at_tp2_holds_its_weights_exactly
     assert finetuned["result"]["c"]["record"]["step"] == 2
 
 
+def test_every_source_folder_passes_the_check_before_launch(finetuned, tiny_data, tmp_path):
+    """A run directory, its checkpoints/ folder and one checkpoint folder (whose manifest.json is
+    the checkpoint's, not a data manifest) all name the run's SentencePiece model and pass the
+    check ./run.sh train makes before any rank starts."""
+    from data.spm_source import read_spm
+    from launcher.preflight import check_init_from
+    from trainer.config import load_config
+
+    with open(os.path.join(tiny_data, "spm.model"), "rb") as f:
+        spm = f.read()
+    run_dir = finetuned["run_dir"]
+    for i, source in enumerate((run_dir, os.path.join(run_dir, "checkpoints"),
+                                os.path.join(run_dir, "checkpoints", "step2"))):
+        assert read_spm(source) == spm, source
+        path = write_run_config(str(tmp_path / f"cfg{i}.yaml"), str(tmp_path / f"run{i}"), tiny_data,
+                                train={"init_from": source})
+        cfg = load_config(path)
+        assert cfg.data.spm_model == source  # implied by train.init_from
+        check_init_from(cfg, path)
+
+
 def test_a_run_started_from_an_averaged_model_file_holds_the_average(finetuned):
     assert_same_weights(started_weights(finetuned, "d"), load_model(finetuned["average"]).model.state_dict())
 
