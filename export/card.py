@@ -20,7 +20,8 @@ def run_facts(meta: dict) -> dict:
                    "corpus": None, "pairs": {}, "layout": (source.get("pipeline_stages"), source.get("data_parallel"))}
     if not run_dir or not os.path.isdir(run_dir):
         return facts
-    facts["valid_loss"] = _valid_loss(run_dir, facts["step"])
+    if not source.get("averaged"):  # an average has no validation of its own
+        facts["valid_loss"] = _valid_loss(run_dir, facts["step"])
     manifest = _read_json(os.path.join(run_dir, "data", "manifest.json"))
     if manifest:
         facts["pairs"] = manifest.get("pairs", {})
@@ -29,10 +30,16 @@ def run_facts(meta: dict) -> dict:
     if config and not facts["corpus"]:
         facts["corpus"] = (config.get("data") or {}).get("corpus")
     table = os.path.join(run_dir, "eval", "test.md")
-    if os.path.exists(table):
+    scored = (_read_json(os.path.join(run_dir, "eval", "eval.json")) or {}).get("model") or {}
+    if os.path.exists(table) and _same_model(scored, source):  # the run's evaluation of this very model
         with open(table, encoding="utf-8") as f:
             facts["eval_table"] = f.read().strip()
     return facts
+
+
+def _same_model(scored: dict, source: dict) -> bool:
+    keys = ("checkpoint", "step", "averaged")
+    return bool(scored) and all(scored.get(k) == source.get(k) for k in keys)
 
 
 def _read_json(path: str) -> dict | None:

@@ -11,7 +11,9 @@
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 import shutil
 import subprocess
 
@@ -151,6 +153,13 @@ def test_eval_prints_its_tables_and_at_most_one_line_of_notes(tiny_run, tmp_path
     assert proc.returncode == 0, proc.stderr
     notes = [line for line in proc.stdout.splitlines() if line.startswith("note")]
     assert len(notes) == 1 and notes[0].startswith("note: spBLEU skipped: sacreBLEU needs the flores200 "), notes
+    # without --out-dir a model file's scores go beside the run's own eval/, naming the model scored
+    proc = run_sh(*flags[:-2], "--splits", "test", env=env)
+    assert proc.returncode == 0, proc.stderr
+    scored = json.loads((Path(run_dir) / "eval-model" / "eval.json").read_text())["model"]
+    from parallel.checkpoints import load_model
+
+    assert scored == load_model(model).meta["source"] and not (Path(run_dir) / "eval").exists()
 
 
 def test_a_file_that_is_not_a_model_gets_one_line(tiny_run, tmp_path, capsys):

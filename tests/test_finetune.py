@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -134,6 +135,32 @@ def test_the_model_card_says_where_a_model_started_and_what_it_averages(finetune
     assert f"fine-tuned from `{finetuned['run_dir']}/checkpoints/step3` (step 3" in card
     averaged = load_model(finetuned["average"])
     assert "the element-wise mean of 2 checkpoints (steps 2, 3" in model_card(averaged.meta, {}, "note", "hf")
+
+
+def test_a_card_shows_the_evaluation_and_validation_of_its_own_model_only(finetuned):
+    """The run's eval/ scored its step-3 checkpoint (eval.json names it): that checkpoint's card
+    shows the table; the average of steps 2 and 3 gets neither the table nor a validation loss."""
+    from export.card import run_facts
+
+    newest, averaged = load_model(finetuned["run_dir"]), load_model(finetuned["average"])
+    eval_dir, metrics_dir = (os.path.join(finetuned["run_dir"], name) for name in ("eval", "metrics"))
+    os.makedirs(eval_dir)
+    os.makedirs(os.path.join(metrics_dir, "train"), exist_ok=True)
+    csv_path = os.path.join(metrics_dir, "train", "valid_loss.csv")
+    try:
+        with open(csv_path, "w") as f:
+            f.write("step,valid_loss\n0,6.9\n3,6.5\n")
+        with open(os.path.join(eval_dir, "test.md"), "w") as f:
+            f.write("| direction | BLEU |\n|---|---|\n| en-de | 12.3 |\n")
+        with open(os.path.join(eval_dir, "eval.json"), "w") as f:
+            json.dump({"test": {"rows": []}, "model": newest.meta["source"]}, f)
+        facts = run_facts(newest.meta)
+        assert "| en-de | 12.3 |" in facts["eval_table"] and facts["valid_loss"] == (3, 6.5)
+        facts = run_facts(averaged.meta)
+        assert facts["eval_table"] is None and facts["valid_loss"] is None
+    finally:
+        shutil.rmtree(eval_dir)
+        os.remove(csv_path)
 
 
 def test_average_refuses_what_it_cannot_average(finetuned, tmp_path, capsys):

@@ -245,6 +245,9 @@ def evaluate(translator, sets: dict, options, spbleu: str, out_dir: str, log=pri
         log(f"decoded {len(texts)} sentences in {seconds:.1f} s: {speed['sentences_per_s']:.1f} sentences/s, "
             f"{speed['tokens_per_s']:.0f} tokens/s (beam {options.beam}, {threads()})")
         report[split] = {"rows": rows, "signatures": sigs, "speed": speed, "notes": scores.notes}
+    # the model scored (its checkpoint and step, or the checkpoints it averages): the model card
+    # of an export shows a table only for the model it was made from
+    report["model"] = (getattr(translator, "meta", None) or {}).get("source")
     _write(os.path.join(out_dir, "eval.json"), json.dumps(report, indent=2, ensure_ascii=False))
     if scores.said:
         log("note: " + "; ".join(dict.fromkeys(scores.said)))

@@ -29,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FLORES SentencePiece model for spBLEU (default auto: flores200 where sacreBLEU's "
                              "folder has it, else none, said in the tables only; a model named here and missing "
                              "is said on the console)")
-    parser.add_argument("--out-dir", type=user_path, help="where tables and hypotheses go (default RUN_DIR/eval)")
+    parser.add_argument("--out-dir", type=user_path,
+                        help="where tables and hypotheses go (default RUN_DIR/eval; with --model FILE, "
+                             "RUN_DIR/eval-<FILE's name without .pt>)")
     add_decoding_arguments(parser)
 
 
@@ -63,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {args.model}, the mean of {len(averaged)} checkpoints (steps "
           f"{', '.join(str(a['step']) for a in averaged)})" if averaged else
           f"model: {source['checkpoint']} (step {source['step']})", flush=True)
-    out_dir = args.out_dir or os.path.join(args.run_dir, "eval")
+    # a model file's scores go beside the run's own evaluation (eval/), not over it
+    stem = os.path.splitext(os.path.basename(args.model))[0] if args.model else ""
+    out_dir = args.out_dir or os.path.join(args.run_dir, f"eval-{stem}" if stem else "eval")
     evaluate(translator, sets, options, args.spbleu, out_dir)
     print(f"eval took {time.perf_counter() - start:.1f} s")
     return 0
