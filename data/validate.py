@@ -18,7 +18,9 @@ reason                rule                                                      
 ====================  =========================================================  ============
 
 Mismatched line counts and malformed TSV lines are not dropped but stop the preparation: they
-mean the sides are misaligned, and everything after that line would be wrong.
+mean the sides are misaligned, and everything after that line would be wrong; so do a selection
+without training text or a train split without dev (`check_layout`), and a split of which nothing
+is usable or most is not UTF-8 (`check_splits`).
 """
 
 import hashlib
@@ -28,6 +30,8 @@ import os
 
 import numpy as np
 
+from data.corpus import CorpusPair
+from data.errors import DataError
 from data.shards import Shard, raw_rows
 
 REASONS = (
@@ -195,3 +199,38 @@ def write_report(report: dict, out_dir: str) -> list[str]:
             + f" (per pair and reason: {os.path.join(out_dir, 'validation_report.tsv')})"
         )
     return lines
+
+
+def check_layout(pairs: list[CorpusPair]) -> None:
+    """Stop unless some pair has training text and every such pair has a dev split (a pair with
+    test text only, such as OPUS-100's zero-shot pairs, is for evaluation)."""
+    if not any("train" in pair.files for pair in pairs):
+        raise DataError("no selected pair has a train split; add train files or change data.languages")
+    for index, pair in enumerate(pairs):
+        if "train" in pair.files and "dev" not in pair.files:
+            a, b = pair.langs
+            raise DataError(
+                f"pair {pair.name} ({os.path.dirname(pair.files['train'][0])}) has train but no dev split; "
+                f"add its dev files (opus.{a}-{b}-dev.{a}/.{b}, dev.{a}-{b}.{a}/.{b} or dev.{a}-{b}.tsv), "
+                "a few hundred line pairs held out from training"
+            )
+
+
+def check_splits(pairs: list[CorpusPair], shards: list[Shard], counts: dict[str, dict]) -> None:
+    """Stop unless the train and dev split of every pair keep at least one line pair (``counts``:
+    per shard id, kept and dropped lines per reason). A split that is mostly not UTF-8 is a file in
+    another encoding, not a few bad lines."""
+    for index, pair in enumerate(pairs):
+        for split, files in pair.files.items():
+            mine = [counts[s.id] for s in shards if s.pair == index and s.split == split]
+            total = {key: sum(c[key] for c in mine) for key in ("kept", *REASONS)}
+            lines = sum(total.values())
+            names = " and ".join(files)
+            if total["invalid_utf8"] * 2 > lines:
+                raise DataError(f"{names}: {total['invalid_utf8']:,} of {lines:,} lines are not UTF-8; "
+                                "convert the file(s) to UTF-8 (iconv -f ENCODING -t UTF-8)")
+            if split in ("train", "dev") and total["kept"] == 0:
+                dropped = ", ".join(f"{r} {total[r]:,}" for r in REASONS if total[r])
+                raise DataError(f"{names}: none of the {lines:,} line pairs of {split} is usable "
+                                f"({dropped}); see data.max_chars, data.max_source_len and "
+                                "data.max_length_ratio, or fix the text")
