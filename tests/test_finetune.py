@@ -170,6 +170,13 @@ def test_average_refuses_what_it_cannot_average(finetuned, tmp_path, capsys):
     assert_one_line_error(code, out_text, err, ["keeps 2 checkpoints (step2, step3)", "--last 3 needs 3"])
     code, out_text, err = run_cli(["convert", "average", run, "--steps", "1", "3", "--out", out], capsys)
     assert_one_line_error(code, out_text, err, ["no checkpoint of step 1"])
+    step2 = os.path.join(run, "checkpoints", "step2")
+    for argv, words in ((["--steps", "2", "2"], ["step 2 is named twice"]),
+                        ([], [f"{run}: give --last N or --steps"])):
+        assert_one_line_error(*run_cli(["convert", "average", run, *argv, "--out", out], capsys), words)
+    for sources, words in (([step2], [f"{step2}: an average needs two or more"]),
+                           ([step2, os.path.join(run, "checkpoints", ".", "step2")], [f"{step2} is named twice"])):
+        assert_one_line_error(*run_cli(["convert", "average", *sources, "--out", out], capsys), words)
     assert not os.path.exists(out)
 
 

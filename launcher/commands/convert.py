@@ -81,8 +81,16 @@ def _average(args: argparse.Namespace, start: float) -> int:
     if chosen and len(args.sources) != 1:
         raise CheckpointError("--last and --steps choose among one run directory's checkpoints; give one SOURCE")
     if not chosen and len(args.sources) < 2:
-        raise CheckpointError(f"{args.sources[0]}: give --last N or --steps S [S ...] to choose its checkpoints, "
-                              "or name two or more checkpoints / model files")
+        one = args.sources[0]
+        if os.path.isdir(os.path.join(one, "checkpoints")):
+            raise CheckpointError(f"{one}: give --last N or --steps S [S ...] to choose its checkpoints")
+        raise CheckpointError(f"{one}: an average needs two or more checkpoints / model files; name the others "
+                              "too, or give a run directory with --last N or --steps S [S ...]")
+    named = [os.path.realpath(s) for s in args.sources]
+    twice = next((s for s, real in zip(args.sources, named) if named.count(real) > 1), None)
+    if twice is not None or (args.steps and len(set(args.steps)) < len(args.steps)):
+        what = twice or f"step {next(s for s in args.steps if args.steps.count(s) > 1)}"
+        raise CheckpointError(f"{what} is named twice; an average counts each checkpoint once")
     if not chosen and not args.out:
         raise CheckpointError("--out FILE is needed when the sources are named one by one")
     sources = select(args.sources[0], args.last, args.steps) if chosen else args.sources
