@@ -58,6 +58,9 @@ from bench import gpu_results as results
 from parallel.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MADE = ("summary.md", "versions.txt", "train.json", "ops.json", "costs.json", "replay.md")
+"""The files a check writes into OUT besides results.jsonl and logs.txt (which gpu_check.sh's wheel
+install starts, and the check continues)."""
 GRACE = 5
 """Seconds between a part's SIGTERM and its SIGKILL."""
 RESERVE = 10
@@ -303,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.exists(os.path.join(out, "logs.txt")):  # gpu_check.sh's wheel install wrote it: kept on top
         with open(os.path.join(out, "logs.txt"), errors="replace") as f:
             logs["wheels"] = f.read()
-    if os.path.exists(jsonl):  # a check starts afresh (--merge joins several)
-        os.remove(jsonl)
+    for name in ("results.jsonl", *MADE):  # a check starts afresh (--merge joins several): no earlier file stays
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, stop_running)
     work = tempfile.mkdtemp(prefix="gpu-check.")

@@ -146,11 +146,15 @@ def _gone(pid: int) -> bool:
 
 def test_the_budget_cuts_the_parts_it_has_no_time_for(tmp_path):
     out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.jsonl", *gpu_check.MADE):  # an earlier check's files in the same OUT
+        (out / name).write_text("{}\n")
     assert gpu_check.main([str(out), "--rehearse", "--budget", "20", "--only", "layers,replay"]) == 0
     summary = (out / "summary.md").read_text()
     assert "| layers | cut: 10 s of the budget left |" in summary and "| replay | cut:" in summary
     assert "bench/scripts/gpu_check.sh OUT2 --only layers,costs,replay --rehearse" in summary  # replay reads its folder's costs
     assert "No first number" in summary
+    assert sorted(p.name for p in out.iterdir()) == ["logs.txt", "results.jsonl", "summary.md"]  # none stale
 
 
 def _row(tokens: int, efficiency: float) -> dict:
