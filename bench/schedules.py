@@ -36,10 +36,16 @@ OUT = "runs/bench-schedules"
 
 
 def _variants(pending: list[int]) -> list[tuple[str, str, int]]:
-    """(name, schedule, parallel.zb_max_pending_w) per trained schedule."""
-    out = [("1f1b", "1f1b", 0)]
-    for p in pending:
-        out.append(("zb-h1-auto" if p < 0 else f"zb-h1-w{p}", "zb-h1", p))
+    """(name, schedule, parallel.zb_max_pending_w) per trained schedule: every schedule of the
+    registry (parallel/schedules.py), one with pending-W bounds under each of `pending`."""
+    from parallel.schedules import SCHEDULES
+
+    out = []
+    for name, spec in SCHEDULES.items():
+        if not spec.pending_bounds:
+            out.append((name, name, 0))
+            continue
+        out += [(f"{name}-auto" if p < 0 else f"{name}-w{p}", name, p) for p in pending]
     return out
 
 
@@ -47,6 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from bench.worker import instrument, layout_config
+    from parallel.schedules import SCHEDULES
     from trainer.trainer import Trainer
     from parallel.engine import exit_rank, setup_distributed
 
@@ -65,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.distributed.barrier()
         layout = {"pp": args.pp, "dp": 1, "micro_batches": args.micro_batches, "schedule": schedule,
                   "warmup": args.warmup, "steps": args.steps}
-        if schedule == "zb-h1":
+        if SCHEDULES[schedule].pending_bounds:
             layout["zb_max_pending_w"] = pending
         cfg = layout_config(args.config, layout, run_dir, {})
         trainer = Trainer(cfg)

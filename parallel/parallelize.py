@@ -17,8 +17,11 @@ layout and applies, in this order,
    DeepSpeed engine with the precision's flags (parallel/precision.py), FlatOptimizer
    (parallel/optimizer.py) and ZeRO.
 
-No other module applies parallelism: `build_engine` builds the plain stage and calls this; the
-trainer, the benchmarks and the tests call `build_engine`.
+No other module makes a stage parallel: `build_engine` builds the plain stage and calls this; the
+trainer, the engine benchmarks and the tests call `build_engine`. The benchmarks of bare layers
+(bench/model.py, bench/ops.py, bench/zb_costs.py) apply steps 3 and 4 to a layer outside any stage
+with the same functions (`compile_layers`, `split_weight_gradients`), to measure what the stage's
+layers get.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: TrainConfig, run_di
     from parallel.ds_engine import initialize
     from parallel.pipeline import plain_name
     from parallel.tensor import TensorParallel
-    from parallel.tensor import parallelize as apply_tensor_parallel
+    from parallel.tensor import apply_tensor_parallel
 
     precision, schedule = precision_of(p.precision), schedule_of(p.schedule)
     object.__setattr__(stage, "precision", precision)  # read by FlatOptimizer when the engine builds it

@@ -1,6 +1,6 @@
 """Tensor parallelism applied from outside: a plan of module paths → styles, applied to a built stage.
 
-`parallelize(module, tp)` walks a built plain module (a pipeline stage or the whole model, already
+`apply_tensor_parallel(module, tp)` walks a built plain module (a pipeline stage or the whole model, already
 initialised at full size) and gives each module whose path matches a pattern of `TP_PLAN` its
 tensor-parallel style, with megatron-core's layers:
 
@@ -339,7 +339,7 @@ def style_of(path: str, plan: dict[str, Style] = TP_PLAN) -> Style | None:
     return next((style for pattern, style in plan.items() if fnmatch.fnmatchcase(path, pattern)), None)
 
 
-def parallelize(module: nn.Module, tp: TensorParallel, path_of: Callable[[str], str | None] = lambda p: p,
+def apply_tensor_parallel(module: nn.Module, tp: TensorParallel, path_of: Callable[[str], str | None] = lambda p: p,
                 plan: dict[str, Style] = TP_PLAN) -> nn.Module:
     """Apply `plan` to the built plain `module` in place and return it. `path_of` maps a module
     path of `module` to its plain model name (None: a wrapper the plan does not address)."""
