@@ -155,7 +155,8 @@ def end(args) -> int:
     line = found["line"] if found else f"training ended with exit code {args.rc}; no rank named a lost one"
     state["faults"].append({**(found or {"step": None}), "attempt": args.attempt, "line": line, "rc": args.rc})
     _save(path, state)
-    record_ending(args.run_dir, "failed", line, args.rc)  # summary.json and train.log: the ranks could not
+    reason = found["line"] if found else "the training step failed; no rank named a lost one"  # the end line adds the code
+    record_ending(args.run_dir, "failed", reason, args.rc)  # summary.json and train.log: the ranks could not
     if not printed:  # a survivor printed it already, else it is said here (e.g. NCCL ended the survivors)
         say(f"error: {line}")
     why = _verdict(state, args)
