@@ -27,7 +27,7 @@ A host sync is either of two things, each of which makes the host wait for the d
   there, so no copy happens, but the count is the GPU's.
 Making a tensor on the device from a constant (`torch.full`, `zeros`, `ones`) launches a fill
 kernel with the value as its argument: no copy, no sync. On GPUs the sync debug mode
-(parallel/accelerator.py `warn_on_sync`) sees every kind, copies to pageable host memory too.
+(runtime/accelerator.py `warn_on_sync`) sees every kind, copies to pageable host memory too.
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ class _HostSyncs:
 
     @staticmethod
     def _on_host() -> bool:
-        from parallel import accelerator
+        from runtime import accelerator
 
         return accelerator.on_host()
 
@@ -199,7 +199,7 @@ class _HostSyncs:
         """Whether a device argument names the accelerator's device (on the host: any device)."""
         if device is None:
             return False
-        from parallel.accelerator import HOST
+        from runtime.accelerator import HOST
 
         return self.host or torch.device(device).type != HOST
 
@@ -207,7 +207,7 @@ class _HostSyncs:
         """Whether `tensor` lives in host memory on the GPU's path."""
         if not isinstance(tensor, torch.Tensor):
             return False
-        from parallel.accelerator import HOST
+        from runtime.accelerator import HOST
 
         return tensor in self.host_made if self.host else tensor.device.type == HOST
 
@@ -218,7 +218,7 @@ class _HostSyncs:
     def install(self) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
 
-        from parallel.accelerator import GPU
+        from runtime.accelerator import GPU
 
         self.host, self.host_made = self._on_host(), WeakIdKeyDictionary()
         for name in (*self.FACTORIES, "from_numpy"):

@@ -21,9 +21,8 @@ from itertools import groupby
 
 import numpy as np
 
-from launcher.commands.bench import Bench
 
-BENCH = Bench(name="data", help="preparation and loader throughput", config="--config", paths=("--corpus", "--out"))
+BENCH = dict(name="data", help="preparation and loader throughput", config="--config", paths=("--corpus", "--out"))
 TARGET_PAIRS = 12_000_000_000  # the paper's largest run (102 languages, 1,932 directions)
 
 

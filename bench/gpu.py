@@ -44,7 +44,7 @@ import time
 import warnings
 
 from bench.gpu_results import append_jsonl, read_jsonl, report, train_results, write_json
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ def kernel_seconds(step) -> tuple[float, float]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from parallel import accelerator
+    from runtime import accelerator
 
     if accelerator.on_host():
         return float("nan"), float("nan")
@@ -146,11 +146,12 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     from bench.ops_syncs import debug_syncs
     from bench.worker import instrument, peak_memory, reset_peak_memory
     from model.flops import training_flops
-    from parallel import accelerator, compiled
-    from parallel.engine import setup_distributed
+    from parallel import compiled
     from parallel.layout import Layout
     from parallel.parallelize import build_engine
     from planner import devices
+    from runtime import accelerator
+    from runtime.distributed import setup_distributed
     from trainer.config import RunConfig
     from trainer.guard import DivergenceGuard
 
@@ -280,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.worker and not args.jsonl and os.path.exists(jsonl):
         os.remove(jsonl)  # this run's rows only (results.json and report.md are made of them)
     if args.worker:
-        from parallel.engine import exit_rank
+        from runtime.distributed import exit_rank
 
         shape, variant = args.worker.split(":")
         measure(shape, variant, tokens, args.steps, args.warmup, args.precision, jsonl, args.stall_after)
         exit_rank(0)
-    from parallel import accelerator
+    from runtime import accelerator
 
     if args.device == "gpu" and not accelerator.gpu_available():
         print(f"error: the GPU benchmark needs a GPU: {accelerator.why_no_gpu()} (--device cpu rehearses it)",
@@ -323,10 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-# What ./run.sh bench reads (launcher/commands/bench.py): `bench train` on a machine with a GPU.
-from launcher.commands.bench import Bench  # noqa: E402
-
-BENCH = Bench(name="train", gpu=True, help="the paper's shapes in bf16 on a GPU", paths=("--out",))
+# What ./run.sh bench reads from this source (launcher/commands/bench.py).
+BENCH = dict(name="train", gpu=True, help="the paper's shapes in bf16 on a GPU", paths=("--out",))
 
 
 if __name__ == "__main__":

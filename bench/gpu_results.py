@@ -14,7 +14,7 @@ not measured yet. One line per record, by "part":
   costs   one layer kind of one mode of the zero-bubble cost measurement (bench/zb_costs.py):
           {"meta": the cost file's header, "mode", "kind", "costs"}; `cost_file` makes the file
           planner/zb.py reads (only with every kind of a mode: a mode half measured is left out)
-  check   what the runner itself records (bench/gpu_check.py): versions, each part's outcome
+  check   what the runner itself records (gpucheck/check.py): versions, each part's outcome
 """
 from __future__ import annotations
 

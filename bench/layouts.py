@@ -35,13 +35,12 @@ import sys
 import yaml
 
 from bench.report import LAYOUT_KEYS, Environment, summarize, write_outputs
-from launcher.commands.bench import Bench
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
+from runtime.accelerator import HOST
 from trainer.config import ConfigError, load_config
-from parallel.accelerator import HOST
 
-BENCH = Bench(name="train", help="layout grid on CPU", config=0, config_in=("--grid",),
-              paths=("--grid", "--out", "--work-dir"), switches=("--profile",), launches=True)
+BENCH = dict(name="train", help="layout grid on CPU", config=0, config_in=("--grid",),
+             paths=("--grid", "--out", "--work-dir"), switches=("--profile",), launches=True)
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
              "zb_max_pending_w", "zero")

@@ -41,10 +41,9 @@ import tarfile
 import tempfile
 import time
 
-from launcher.commands.bench import Bench
 
-BENCH = Bench(name="model", help="the plain model's training step, eager against compiled, or against another "
-              "commit's model, steps interleaved", paths=("--out",))
+BENCH = dict(name="model", help="the plain model's training step, eager against compiled, or against another "
+             "commit's model, steps interleaved", paths=("--out",))
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VARIANTS = ("eager", "compiled")
@@ -170,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from parallel.accelerator import keep_freed_host_memory
     from planner.planner import named_model
+    from runtime.accelerator import keep_freed_host_memory
 
     try:
         shapes = {name: named_model(name) for name in args.model.split(",")}
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}" if isinstance(e, BenchError) else f"error: --model: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    kept = keep_freed_host_memory()  # as every training rank does (parallel.engine.setup_distributed)
+    kept = keep_freed_host_memory()  # as every training rank does (runtime.distributed.setup_distributed)
     load_before = os.getloadavg()
     names = list(VARIANTS) + ([against[0]] if against else [])
     rows = []

@@ -29,7 +29,7 @@ engine_ops_per_step.{fp32,bf16}, syncs_per_microbatch, syncs_per_step (the worst
 syncs_pp1 and syncs_pp<N>, each launch's ranks), graph_breaks, compilations_per_layer_kind (and the
 details behind each), rewritten as each result comes; with
 --jsonl each result is also appended there as one JSON line {"part": "ops", "result": {...}} (the
-GPU check, bench/gpu_check.py, merges them).
+GPU check, gpucheck/check.py, merges them).
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def placement():
     runs there; the compiled graphs are those of training), fp32 on the host."""
     import torch
 
-    from parallel import accelerator
+    from runtime import accelerator
 
     return accelerator.device(), torch.float32 if accelerator.on_host() else torch.bfloat16
 
@@ -136,7 +136,8 @@ def count_layers(model, batch: int, src_len: int, tgt_len: int, compiled: bool) 
     import torch
 
     from bench.counting import KernelCounter, fused_dropout
-    from parallel import accelerator, compiled as compiling
+    from parallel import compiled as compiling
+    from runtime import accelerator
 
     kinds = Kinds(model, batch, src_len, tgt_len)
     out = {}
@@ -170,8 +171,8 @@ def output_cost_ratio(model, tokens: int = 1024, repeats: int = 3) -> float:
     (ratio − 1)·6·d is model/flops.py's LOGIT_COST on this device. Best of `repeats`."""
     import torch
 
-    from parallel import accelerator
     from parallel.loss import output_loss_sum
+    from runtime import accelerator
 
     device = accelerator.device()
     g = torch.Generator().manual_seed(0)
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(compilations(model))
     if not skip >= {"engine", "syncs"}:
         from data.prepare import prepare_data
-        from parallel.engine import setup_distributed
+        from runtime.distributed import setup_distributed
 
         data_dir = os.path.join(args.out, "data")
         prepare_data(cfg.data, data_dir, log=lambda *_: None)
@@ -360,14 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# What ./run.sh bench reads (launcher/commands/bench.py).
-from launcher.commands.bench import Bench  # noqa: E402
-
-BENCH = Bench(name="ops", help="kernel operations per layer and per step, host syncs, graph breaks and compilations: "
-              "what predicts a GPU step's host time", config=0, paths=("--out",))
+# What ./run.sh bench reads from this source (launcher/commands/bench.py).
+BENCH = dict(name="ops", help="kernel operations per layer and per step, host syncs, graph breaks and compilations: "
+             "what predicts a GPU step's host time", config=0, paths=("--out",))
 
 
 if __name__ == "__main__":
-    from parallel.engine import exit_rank
+    from runtime.distributed import exit_rank
 
     exit_rank(main())  # the engine and sync counts set up a process group: it ends as every rank's does

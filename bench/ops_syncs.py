@@ -34,7 +34,7 @@ def sync_counts(trainer, steps: int = 2) -> dict:
     import warnings
 
     from bench.counting import KernelCounter
-    from parallel import accelerator
+    from runtime import accelerator
 
     on_gpu = not accelerator.on_host()
     in_microbatch = [0]
@@ -131,7 +131,7 @@ def syncs_worker(config: str, data_dir: str, work: str, out: str, overrides: lis
     """One rank of the --pp launch: warm up, count two steps, rank 0 writes every rank's counts."""
     import torch
 
-    from parallel.engine import exit_rank
+    from runtime.distributed import exit_rank
     from trainer.config import load_config
 
     cfg = load_config(config, sets=overrides)
@@ -154,7 +154,7 @@ def launch_syncs(config: str, pp: int, data_dir: str, work: str, overrides: list
     import subprocess
 
     from launcher.launch import deepspeed_command, launch_env
-    from parallel import accelerator
+    from runtime import accelerator
 
     out = os.path.join(work, f"syncs-pp{pp}.json")
     sets = [f"parallel.pipeline_stages={pp}", "parallel.data_parallel=1", "parallel.tensor_parallel=1", *overrides]

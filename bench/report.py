@@ -33,13 +33,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from bench.pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
 from parallel.config import ParallelConfig
 from planner.planner import Candidate
-from parallel import accelerator
-from parallel.accelerator import HOST
-from bench.pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
+from runtime import accelerator
+from runtime.accelerator import HOST
 
 # Layout keys of a benchmark grid → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),

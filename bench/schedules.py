@@ -28,10 +28,9 @@ import sys
 import time
 
 from bench import zb_costs
-from launcher.commands.bench import Bench
 
-BENCH = Bench(name="schedules", help="1F1B vs ZB-H1, steps interleaved in one launch", config=0, paths=("--out",),
-              launches=True)
+BENCH = dict(name="schedules", help="1F1B vs ZB-H1, steps interleaved in one launch", config=0, paths=("--out",),
+             launches=True)
 OUT = "runs/bench-schedules"
 
 
@@ -54,8 +53,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from bench.worker import instrument, layout_config
     from parallel.schedules import SCHEDULES
+    from runtime.distributed import exit_rank, setup_distributed
     from trainer.trainer import Trainer
-    from parallel.engine import exit_rank, setup_distributed
 
     setup_distributed()
     rank = torch.distributed.get_rank()

@@ -40,14 +40,14 @@ import shutil
 import time
 from collections import defaultdict
 
-
 import psutil
 import torch
 
 from bench.pipeline import PIPELINE_OPS
 from bench.report import LAYOUT_KEYS
+from runtime import accelerator
 from trainer.config import RunConfig, load_config
-from parallel import accelerator
+
 
 def _on_cpu() -> bool:
     return accelerator.on_host()
@@ -174,7 +174,7 @@ class PlainTwin:
 
     def __init__(self, cfg: RunConfig):
         from model.transformer import EncoderDecoder
-        from parallel.engine import adamw, inverse_sqrt
+        from parallel.engine_config import adamw, inverse_sqrt
 
         t = cfg.train
         self.cfg = cfg
@@ -393,7 +393,7 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
-    from parallel.engine import exit_rank, setup_distributed
+    from runtime.distributed import exit_rank, setup_distributed
 
     setup_distributed()
     with open(args.layout) as f:

@@ -156,7 +156,7 @@ def time_kind(cfg, kind: str, dtype, device, compiled: bool, batch_shape: tuple[
     """Seconds per micro-batch of F, B, W (split, as ZB-H1 runs the layer) and F_1f1b, BW (unsplit)."""
     import torch
 
-    from parallel import accelerator
+    from runtime import accelerator
 
     clock = time.process_time if accelerator.on_host() else time.perf_counter
     sync = accelerator.synchronize
@@ -192,8 +192,9 @@ def measure(cfg, precision: str, sequences: int, src_len: int, tgt_len: int, mod
     `kept(result, mode, kind)` is called after each kind is measured (the result so far)."""
     import torch
 
-    from parallel import accelerator, compiled
+    from parallel import compiled
     from parallel.precision import precision_of
+    from runtime import accelerator
 
     dtype = precision_of(precision).dtype
     device = accelerator.device()
@@ -250,13 +251,14 @@ def markdown(costs: dict) -> str:
 
 def run(args) -> int:
     """`--measure-costs`: measure and write OUT/zb-costs.{json,md}."""
-    from parallel import accelerator
+    from parallel.precision import precision_of
+    from runtime import accelerator
 
     cfg = scaled_model(args.model, args.d_model)
     if args.sequences is None:
         args.sequences = max(1, config_max_tokens(args.model) // args.seq_len)
     precision = args.precision or ("fp32" if accelerator.on_host() else "bf16")
-    if not accelerator.supports(precision):
+    if not accelerator.supports(precision_of(precision).dtype):
         print(f"error: --precision {precision}: this accelerator does not train in it", flush=True)
         return 2
     modes = [m for m in args.measure_costs.split(",") if m]

@@ -26,7 +26,7 @@ import statistics
 
 import yaml
 
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,8 +77,14 @@ def _timeline_stats(pp: int, m: int, cost, order) -> dict:
 
 def replay_one(costs: dict, mode: str, pp: int, m: int, checkpoint: bool = False) -> dict:
     """1F1B, ZB-H1 bound 0 and ZB-H1 tuned (no bound) at `pp` stages and `m` micro-batches."""
-    from parallel.zb_timeline import fixed, one_f_one_b_order, pending_peak, tuned_schedule, with_first_stage_share, \
-        zb_h1_order
+    from parallel.zb_timeline import (
+        fixed,
+        one_f_one_b_order,
+        pending_peak,
+        tuned_schedule,
+        with_first_stage_share,
+        zb_h1_order,
+    )
 
     per_stage = stage_costs(costs, mode, pp, checkpoint)
     ones = [{"F": c["F_1f1b"], "B": c["BW"], "W": 0.0, "BW": c["BW"]} for c in per_stage]

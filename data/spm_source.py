@@ -44,7 +44,7 @@ def read_spm(source: str) -> bytes:
 
             try:
                 # storages stay in host memory where they were saved (no device is named outside
-                # parallel/accelerator.py); only the SentencePiece bytes are read
+                # runtime/accelerator.py); only the SentencePiece bytes are read
                 package = torch.load(source, map_location=lambda storage, _: storage, mmap=True, weights_only=True)
             except Exception as e:  # refused unpickling, a damaged archive
                 raise DataError(f"{where}: cannot be read as a model file ({type(e).__name__})") from None

@@ -14,12 +14,11 @@ import json
 import math
 import os
 
-
 import torch
 
+from runtime.distributed import exit_rank
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from parallel.engine import exit_rank
 
 
 def main() -> None:

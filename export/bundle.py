@@ -15,7 +15,7 @@ TOLERANCE = 1e-3  # refuse an export whose logits differ more than this from the
 
 
 def write_export(loaded, alphas: tuple[float, float], fmt: str, quantization: str, work: str) -> str:
-    """Write the export of `loaded` (parallel/checkpoints.py `load_model`) as `fmt` (hf | ctranslate2)
+    """Write the export of `loaded` (checkpoint/checkpoints.py `load_model`) as `fmt` (hf | ctranslate2)
     into the empty folder `work`: the model, its tokenizer files and the model card, checked against
     the project's logits on a probe batch. Returns the line that describes it."""
     hf_dir = work if fmt == "hf" else os.path.join(work, ".hf")

@@ -7,7 +7,7 @@ import glob
 import json
 import os
 
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 
 def run_facts(meta: dict) -> dict:

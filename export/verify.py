@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from model.transformer import EncoderDecoder
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 PROBE_SEED = 1234
 

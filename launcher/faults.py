@@ -8,7 +8,7 @@ its training step:
 A fault is an attempt whose ranks ended with a failure that is neither a preemption nor a stop the
 ranks agreed on (run_dir/stopped.json). Two ways an attempt can end with one:
 
-- Its ranks end (a rank died or hung; the survivors named it: parallel/heartbeat.py) and the job
+- Its ranks end (a rank died or hung; the survivors named it: runtime/heartbeat.py) and the job
   script goes on: `end` records the fault and answers "requeue" (exit 10), and the script runs
   `scontrol requeue`. SLURM itself does not requeue a job whose step merely failed.
 - SLURM ends the whole job (a node set DOWN, or the batch node lost): the script is killed with it,
@@ -30,7 +30,7 @@ import os
 import sys
 import time
 
-from parallel import heartbeat
+from runtime import heartbeat
 from trainer.run_dir import record_ending
 
 REQUEUE = 10  # `end`'s exit status when the job should requeue itself
@@ -64,7 +64,7 @@ def _save(path: str, state: dict) -> None:
 
 
 def _reported(run_dir: str, launch: str) -> dict | None:
-    """The fault report a survivor of `launch` claimed (parallel/heartbeat.py claim), if any."""
+    """The fault report a survivor of `launch` claimed (runtime/heartbeat.py claim), if any."""
     try:
         with open(heartbeat.fault_path(run_dir, launch), encoding="utf-8") as f:
             return json.load(f)
@@ -82,7 +82,7 @@ def _finding(run_dir: str, launch: str) -> tuple[dict | None, bool]:
 
 
 def _newest_checkpoint(run_dir: str) -> str:
-    from parallel import manifest
+    from checkpoint import manifest
 
     newest = manifest.newest_committed(os.path.join(run_dir, "checkpoints"))
     return f"the newest intact checkpoint ({newest})" if newest else "the start (no checkpoint yet)"

@@ -25,7 +25,7 @@ def deepspeed_command(world_size: int, module: str, module_args: list[str]) -> l
     the ranks run `python -m MODULE` with the repository on PYTHONPATH (`launch_env`). Its own log
     only at `critical`: it reports every rank that exits non-zero at `error` ("… exits with return
     code = 75" after a clean preemption), which the supervisor says itself (launcher/procs.py)."""
-    from parallel.engine import free_port
+    from runtime.distributed import free_port
 
     launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
     return [launcher, "--num_gpus", str(world_size), "--master_port", str(free_port()),

@@ -10,8 +10,19 @@ import os
 import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
-from trainer.run_dir import (PREEMPTED_MARKER, STOPPED_MARKER, SUMMARY_NAME, TRAIN, launched_max_steps,
-                            record_ending, refusal_hint, relaunch, resume_differences, saved_run_config, setting_changes)
+from trainer.run_dir import (
+    PREEMPTED_MARKER,
+    STOPPED_MARKER,
+    SUMMARY_NAME,
+    TRAIN,
+    launched_max_steps,
+    record_ending,
+    refusal_hint,
+    relaunch,
+    resume_differences,
+    saved_run_config,
+    setting_changes,
+)
 
 
 def parameters(cfg: RunConfig) -> int:
@@ -28,8 +39,9 @@ def check_device(cfg: RunConfig, where: str) -> None:
     """Refuse what the accelerator the ranks will use cannot do: a precision it lacks (fp16 on a CPU
     without AVX512-FP16, bf16 on a GPU without it), or a model whose training state alone cannot fit in one
     device's memory. The accelerator is asked, not guessed from names."""
-    from parallel.precision import PRECISIONS, precision_of
     from deepspeed.accelerator import get_accelerator
+
+    from parallel.precision import PRECISIONS, precision_of
 
     accelerator = get_accelerator()
     p = cfg.parallel
@@ -112,7 +124,7 @@ def end_run_here(cfg: RunConfig, saved: dict, line: str) -> None:
     summary.json and train.log with the reason). The caller holds the run lock."""
     import json
 
-    from parallel import manifest
+    from checkpoint import manifest
 
     step = newest_step(cfg)
     record = dict(saved, train=dict(saved.get("train", {}), max_steps=step))
@@ -164,7 +176,7 @@ def newest_step(cfg: RunConfig) -> int | None:
     with the sizes its manifest records (None otherwise, and for a new run). The ranks check the
     hashes when they resume; a damaged newest checkpoint is set aside by them and an older one
     resumed."""
-    from parallel import manifest
+    from checkpoint import manifest
 
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     for tag in manifest.committed_tags(ckpt_dir)[:1]:
@@ -185,12 +197,12 @@ def check_init_from(cfg: RunConfig, where: str) -> None:
     """train.init_from of a run that starts now (none of its own checkpoints yet): the source is a
     run directory with a checkpoint, a checkpoint folder or a model file; its SentencePiece model
     has the pieces of the one the data is encoded with (data.spm_model); its model has this
-    config's parameter shapes and computes the same function (parallel/init_from.py `compare`)."""
+    config's parameter shapes and computes the same function (checkpoint/init_from.py `compare`)."""
+    from checkpoint import manifest
+    from checkpoint.checkpoints import CheckpointError
+    from checkpoint.init_from import compare, resolve
     from data.errors import DataError
     from data.spm_source import read_spm, tokenizer, vocabulary_difference
-    from parallel import manifest
-    from parallel.checkpoints import CheckpointError
-    from parallel.init_from import compare, resolve
 
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     if not cfg.train.init_from or manifest.has_checkpoints(ckpt_dir):

@@ -13,7 +13,7 @@ its children, then SIGKILLs them 30 s later, and ends the rest when one rank exi
   SIGTERM (kill, scancel, SLURM's time limit),  → the same signal to every rank: each finishes its
   SIGUSR1                                          step, the ranks checkpoint together and exit with
       PREEMPTED_EXIT_CODE. After SIGTERM, ranks that are not gone `train.stop_grace_seconds` later
-      (+5 s) are killed; the last committed checkpoint stays valid (parallel/manifest.py).
+      (+5 s) are killed; the last committed checkpoint stays valid (checkpoint/manifest.py).
   SIGINT (Ctrl-C), SIGHUP (terminal closed)      → SIGKILL to every process of the run: they stop at
       once, without a checkpoint (a signal a Python process handles would print a traceback in a
       rank still importing and wait for a rank blocked in a collective).
@@ -74,7 +74,7 @@ class Supervisor:
             # Stop at once: SIGKILL to every process of the run. The signal itself would reach a rank
             # still importing as a KeyboardInterrupt (a traceback), the deepspeed launcher as one too,
             # and a rank blocked in a collective only when the call returns; no checkpoint is
-            # promised, and a committed one cannot be damaged (parallel/manifest.py).
+            # promised, and a committed one cannot be damaged (checkpoint/manifest.py).
             self.log(f"{signal.Signals(signum).name}: stopping every rank now (the last checkpoint is kept)")
             self._killpg(signal.SIGKILL)
             self.deadline = time.monotonic() + KILL_AFTER

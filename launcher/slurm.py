@@ -1,6 +1,6 @@
 """SLURM batch jobs for multi-node training: the sbatch script and the config it reads.
 
-The script runs one rank per device as an `srun` task (parallel/engine.py maps SLURM_PROCID,
+The script runs one rank per device as an `srun` task (runtime/distributed.py maps SLURM_PROCID,
 SLURM_LOCALID and the step's task count to RANK, LOCAL_RANK and WORLD_SIZE), rendezvous on the
 job's first node, and handles preemption: SLURM signals the batch shell `signal_before` seconds
 before the time limit, the shell forwards the signal to srun, which passes it to every rank; the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import yaml
 
 from launcher.faults import REQUEUE
-from parallel import accelerator, heartbeat
+from runtime import accelerator, heartbeat
 from trainer.config import RunConfig, to_dict
 from trainer.run_dir import PREEMPTED_MARKER, STOPPED_MARKER
 
@@ -139,7 +139,7 @@ def render_sbatch(spec: JobSpec) -> str:
         backend = """# GPUs: NCCL. Ranks pick their GPU by LOCAL_RANK (= SLURM_LOCALID).
 export DS_ACCELERATOR=""" + accelerator.GPU + """
 # A lost rank fails the collectives (NCCL's watchdog, after train.collective_timeout_seconds)
-# instead of hanging them; parallel/accelerator.py collective_fault_env says why these values.
+# instead of hanging them; runtime/accelerator.py collective_fault_env says why these values.
 """ + "\n".join(f"export {k}={v}" for k, v in accelerator.collective_fault_env(accelerator.GPU).items()) + """
 export NCCL_DEBUG=WARN
 # Site-specific, uncomment and set for this cluster's fabric:
@@ -192,7 +192,7 @@ on_preempt() {{
 trap on_preempt USR1
 
 # Faults: a rank or node lost or hung mid-run ends the training step (the surviving ranks name it:
-# parallel/heartbeat.py) and the job requeues itself, resuming from the newest intact checkpoint;
+# runtime/heartbeat.py) and the job requeues itself, resuming from the newest intact checkpoint;
 # at most MAX_FAULT_REQUEUES times, and not again once the same step has failed
 # MAX_SAME_STEP_FAULTS times. When SLURM itself ends the job for a node failure it requeues it
 # (--requeue); the next start counts that attempt (launcher/faults.py, <run_dir>/slurm/faults.json).

@@ -20,13 +20,12 @@ import traceback
 
 import torch
 
-from parallel import accelerator, heartbeat
 from launcher.runlock import RunDirBusy, RunLock
-from trainer import signals
+from runtime import accelerator, heartbeat
+from trainer import run_dir, signals
 from trainer.checkpointer import NoRoomStop
 from trainer.config import ConfigError, load_config
 from trainer.guard import DivergenceStop
-from trainer import run_dir
 from trainer.run_dir import record_stop
 from trainer.trainer import Trainer
 
@@ -74,7 +73,7 @@ def error_kind(e: BaseException) -> str:
 
 
 def report_lost_contact(e: BaseException, trainer: Trainer | None, rank: str, timeout_s: float) -> None:
-    """A collective failed in this rank: name the rank that was lost or hung (parallel/heartbeat.py:
+    """A collective failed in this rank: name the rank that was lost or hung (runtime/heartbeat.py:
     who stopped beating, or is behind), in one line for the whole launch (the first survivor to
     claim the report prints it; it is also the fault report the SLURM job script reads)."""
     heartbeat.mark("lost contact")  # a fellow survivor reading the beats does not name this rank
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         except RunDirBusy as e:
             sys.exit(f"error: {e}")
         atexit.register(_run_lock.release)
-    from parallel.engine import exit_rank
+    from runtime.distributed import exit_rank
 
     trainer = None
     try:

@@ -64,7 +64,7 @@ def _backend(kind: str):
 def compile_enabled(setting: str | bool) -> bool:
     """train.compile: true | false | auto (true where a GPU runs the layers)."""
     if setting == "auto":
-        from parallel import accelerator
+        from runtime import accelerator
 
         return not accelerator.on_host()
     return bool(setting)

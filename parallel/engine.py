@@ -1,242 +1,188 @@
-"""DeepSpeed set-up: distributed initialisation, the engine config, the client optimizer and its LR
-schedule (parallel/parallelize.py builds the engine from them)."""
+"""The trainer's DeepSpeed pipeline engine: `PipelineEngine` with the trainer's optimizer.
+
+`TrainerEngine` builds parallel/optimizer.py's `FlatOptimizer` (a BF16_Optimizer that takes every
+precision: fp32, bf16 and fp16) in place of the optimizer DeepSpeed would choose (at ZeRO stage 1
+its ZeRO optimizer in fp32 and fp16, BF16_Optimizer in bf16; at stage 0 the bare client optimizer
+in fp32, FP16_Optimizer in fp16, and none in bf16 with fp32 accumulation, which it refuses), by
+overriding DeepSpeed's `_configure_optimizer`, and runs DeepSpeed's bf16 pipeline paths with it:
+gradients folded into the flat fp32 buffer after each backward, the tied embedding's gradient
+all-reduced there, the data-parallel reduction over the flat buffers. Every engine the trainer
+builds gets FlatOptimizer: the run config allows ZeRO stage 0 or 1 and no offload, the model has
+no MoE layers, and the client optimizer is torch's AdamW (parallel/engine_config.py). DeepSpeed's own
+optimizers and paths run, unchanged, only where a caller sets `FlatOptimizer.enabled = False` (the
+A/B comparisons of the tests and of bench/ops.py); `optimizer.applies` also leaves them the
+engines no run config builds (MoE, offload, ZeRO ≥ 2, torch autocast, a client optimizer that is
+not a torch one).
+
+* `_bf16_reduce_grads`: DeepSpeed's reduction of the flat fp32 gradient buffers
+  (`buffered_allreduce_fallback`: each buffer converted to the communication dtype, all-reduced
+  over the data-parallel group, multiplied by 1/dp, copied back) without its flatten and unflatten
+  copies, and without the all-reduce over a group of one at dp = 1. The conversion stays: in bf16
+  DeepSpeed rounds the fp32 sums to bf16 there even at dp = 1 (its communication_data_type
+  default), and the numbers equal its BF16_Optimizer's only with that rounding.
+* `clip_fp32_gradients`, `zero_grad`: the optimizer clips and clears the flat buffer (at ZeRO
+  stage 0 in fp32 DeepSpeed's engine would clip the module's `.grad` by its own norm and then set
+  them to None; the fold has already moved them into the buffer and freed them).
+
+`initialize` builds an engine class of this family for a PipelineModule (deepspeed 0.19.8's
+`deepspeed.initialize` hard-codes `PipelineEngine`); parallel/zero_bubble.py's engine derives
+from `TrainerEngine`.
+"""
 from __future__ import annotations
 
-import logging
+import contextlib
 import os
-import random
-import socket
-import subprocess
-import sys
-from typing import NoReturn
+from collections.abc import Callable
 
 import torch
+from deepspeed import comm as ds_comm
+from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from parallel import heartbeat
-from parallel.accelerator import HOST, collective_fault_env, keep_freed_host_memory
-from parallel.config import ParallelConfig, TrainConfig
-from parallel.precision import precision_of
-
-
-def ephemeral_port_range() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections and bind(0) (Linux's default if unknown)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+from parallel import optimizer as flat
+from parallel.pipe_io import MessageIO
 
 
-def free_port() -> int:
-    """A TCP port free now on this host, chosen below the ephemeral range where there is room.
+class TrainerEngine(MessageIO, PipelineEngine):
+    """PipelineEngine with FlatOptimizer (module docstring)."""
 
-    A port from bind(0) is an ephemeral one: between this check and the rendezvous binding it,
-    another process's outgoing connection may take it (two trainers started together failed with
-    EADDRINUSE on the master port: the other one's gloo connections had it). Ports below the
-    ephemeral range are taken only by explicit binds. The draw uses the OS's randomness, not the
-    training RNG streams.
-    """
-    low, _ = ephemeral_port_range()
-    draw = random.SystemRandom()
-    if low - 4096 > 1024:
-        for _ in range(64):
-            port = draw.randrange(max(1024, low - 12000), low)
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._observers: list[Callable] = []
+        if self.flat_optimizer:
+            # PipelineEngine tests `type(optimizer) == BF16_Optimizer` for its bf16 paths (the
+            # per-backward fold, the tied all-reduce of `_hp_grad`, the flat reduction).
+            self.using_bf16_optimizer = True
 
+    step_loss: Callable[[], float | None] | None = None
+    """Set by the trainer: the step's loss as the divergence guard read it (its one host sync of
+    the step, with the loss shares of every rank summed). Then the step's aggregated loss costs no
+    collective and no read of its own: DeepSpeed's all-reduces it over the replicas, broadcasts it
+    over the pipeline and reads it back for its monitor, every step."""
 
-def slurm_rank_env(environ: dict | None = None) -> dict[str, str]:
-    """torch.distributed's rank variables for a task started by `srun`, one task per device.
-
-    srun sets SLURM_PROCID/SLURM_LOCALID/SLURM_STEP_NUM_TASKS but no RANK/LOCAL_RANK/WORLD_SIZE,
-    and deepspeed.init_distributed does not read SLURM_* (it tries MPI discovery and fails).
-    Ranks are started by srun itself rather than by torchrun per node, so that SLURM signals and
-    kills every rank directly: the preemption signal reaches each trainer (torchrun's agent would
-    not forward SIGUSR1) and `--kill-on-bad-exit` ends the job when one rank dies instead of
-    leaving the others blocked in a collective. MASTER_ADDR is the step's first node (where task 0
-    runs); MASTER_PORT is derived from the job id so that every task finds the same one alone.
-    Empty outside an srun step (the batch script has no SLURM_STEP_ID) or when a launcher
-    (deepspeed, torchrun) has already set RANK.
-    """
-    env = os.environ if environ is None else environ
-    if "RANK" in env or "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
-        return {}
-    out = {"RANK": env["SLURM_PROCID"], "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
-           "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1"))}
-    if "MASTER_ADDR" not in env:
-        nodelist = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+    def train_batch(self, *args, **kwargs):
+        if hasattr(self.module, "loss_grad"):
+            self.module.loss_grad = self.loss_gradient()
+        # DeepSpeed reads the step's loss back for its own monitor events every step; those are all
+        # keyed by samples, which the trainer does not write (trainer/metrics.py drops them).
+        enabled, self.monitor.enabled = self.monitor.enabled, False
         try:
-            hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                                   text=True, check=True, timeout=60).stdout.split()
-        except (OSError, subprocess.SubprocessError) as e:
-            raise SystemExit(f"error: cannot expand SLURM's node list {nodelist!r} with `scontrol show "
-                             f"hostnames` ({e}); export MASTER_ADDR=<first node> before srun") from None
-        out["MASTER_ADDR"] = hosts[0]
-    if "MASTER_PORT" not in env:
-        out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-    return out
+            return super().train_batch(*args, **kwargs)
+        finally:
+            self.monitor.enabled = enabled
+
+    def loss_gradient(self) -> float:
+        """The gradient DeepSpeed's backward gives a micro-batch's loss on the last stage, as fp32
+        computes it: 1 / gradient_accumulation_steps (`DeepSpeedEngine.backward` divides the loss
+        by it) times the loss scale (fp16's; 1 otherwise)."""
+        import numpy as np
+
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        scale = float(scaler.cur_scale) if scaler is not None else 1.0
+        return float(np.float32(scale) / np.float32(self.gradient_accumulation_steps()))
+
+    def _aggregate_total_loss(self):
+        value = self.step_loss() if self.step_loss is not None else None
+        if value is None:
+            return super()._aggregate_total_loss()
+        return torch.tensor(value)  # on the host: what DeepSpeed's monitor reads is there already
+
+    @property
+    def flat_optimizer(self) -> bool:
+        return isinstance(getattr(self, "optimizer", None), flat.FlatOptimizer)
+
+    def _get_all_zero_checkpoint_names(self, load_dir, tag, bf16_mode):
+        """The optimizer shards of a checkpoint, or None when they were saved in the other precision
+        family: bf16 runs name them `bf16_zero_pp_rank_*`, fp32 and fp16 runs `zero_pp_rank_*`.
+        DeepSpeed's `_get_all_zero_checkpoints` then tries the other family, as it means to; its own
+        version of this method never returns None, so a run resumed in another precision (fp32 →
+        bf16, bf16 → fp16) failed on a missing file."""
+        names = super()._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
+        return names if all(os.path.exists(name) for name in names) else None
+
+    def _get_all_zero_checkpoints(self, load_dir, tag):
+        """DeepSpeed's, less its warning on the console, which calls every checkpoint of the other
+        family fp16 (an fp32 one too); the resume lists the precision change itself."""
+        for bf16_mode in (self.bfloat16_enabled(), not self.bfloat16_enabled()):
+            names = self._get_all_zero_checkpoint_names(load_dir, tag, bf16_mode)
+            if names is not None:
+                return self._get_all_zero_checkpoint_state_dicts(names)
+        return None
+
+    def _configure_optimizer(self, client_optimizer, model_parameters):
+        if not flat.applies(self, client_optimizer):
+            return super()._configure_optimizer(client_optimizer, model_parameters)
+        # DeepSpeed's preamble for a client optimizer, then FlatOptimizer whatever the precision.
+        client_optimizer.param_groups[:] = [pg for pg in client_optimizer.param_groups if len(pg["params"]) != 0]
+        self._check_for_duplicates(client_optimizer)
+        self.basic_optimizer = client_optimizer
+        self.optimizer = flat.build(self, client_optimizer)
+
+    def observe(self, hook: Callable[[str, dict], contextlib.AbstractContextManager]) -> Callable[[], None]:
+        """Run every pipeline instruction inside `hook(name, kwargs)` (a context manager: a timer, a
+        profiler label) until the returned function is called. The one way to watch the schedule:
+        the benchmarks' timings and memory census and the zero-bubble schedule's F/B/W costs use it.
+        The engine dispatches through `self._INSTRUCTION_MAP`; an instance table of wrappers
+        shadows the class's without changing what runs."""
+        self._observers.append(hook)
+        if "_INSTRUCTION_MAP" not in vars(self):
+            def observed(name, handler):
+                def run(engine, *args, **kwargs):
+                    with contextlib.ExitStack() as stack:
+                        for watch in list(engine._observers):
+                            stack.enter_context(watch(name, kwargs))
+                        return handler(engine, *args, **kwargs)
+                return run
+
+            self._INSTRUCTION_MAP = {cls: observed(cls.__name__, fn) for cls, fn in type(self)._INSTRUCTION_MAP.items()}
+
+        def remove() -> None:
+            self._observers.remove(hook)
+            if not self._observers:
+                del self._INSTRUCTION_MAP
+        return remove
+
+    def _bf16_reduce_grads(self):
+        if not self.flat_optimizer:
+            return super()._bf16_reduce_grads()
+        # DeepSpeed's allreduce_bucket on each flat buffer (postscale, gradient_predivide_factor 1).
+        group = self.mpu.get_data_parallel_group()
+        dp = ds_comm.get_world_size(group=group)
+        comm_dtype = self.communication_data_type
+        for flat_grads in self.optimizer.fp32_groups_gradients_flat:
+            reduced = flat_grads if flat_grads.dtype == comm_dtype else flat_grads.to(comm_dtype)
+            if dp > 1:
+                ds_comm.all_reduce(reduced, group=group)
+                reduced.mul_(1.0 / dp)
+            if reduced is not flat_grads:
+                flat_grads.copy_(reduced)
+
+    def clip_fp32_gradients(self):
+        if not self.flat_optimizer:
+            return super().clip_fp32_gradients()
+        return None  # FlatOptimizer.step clips
+
+    def zero_grad(self):
+        if not self.flat_optimizer:
+            return super().zero_grad()
+        self.optimizer.zero_grad()
 
 
-def setup_distributed(timeout_seconds: float | None = None) -> None:
-    """Initialise torch.distributed through DeepSpeed on the accelerator's own backend.
-
-    Without a launcher (plain `python`), a world of one process is assumed. On CPU, DeepSpeed
-    would JIT-compile a shared-memory all-reduce op (60–90 s, needs g++/ninja) that only its
-    inference path uses; marking no op as compatible skips the build. `__compatible_ops__` is
-    read only by that one check in deepspeed.comm.torch (0.19.8). `timeout_seconds`: how long a
-    collective may wait for the other ranks before it fails (train.collective_timeout_seconds).
-    """
-    import datetime
-
+def initialize(module, optimizer, lr_scheduler, config: dict, engine_class: type[PipelineEngine] = TrainerEngine):
+    """`deepspeed.initialize` for a PipelineModule, building `engine_class` (these are the steps of
+    deepspeed 0.19.8's pipeline branch, which hard-codes PipelineEngine)."""
     import deepspeed
-    import deepspeed.comm as dist
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed import comm as dist
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.tensor_parallel.init_utils import merge_tp_model_init_into_config
 
-    if dist.is_initialized():
-        return
-    for key, value in slurm_rank_env().items():
-        os.environ.setdefault(key, value)
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    for key, value in collective_fault_env().items():  # a lost rank fails collectives, not hangs them
-        os.environ.setdefault(key, value)
-    accelerator = get_accelerator()
-    if accelerator.device_name() == HOST:
-        deepspeed.ops.__compatible_ops__ = {}
-        keep_freed_host_memory()  # tensors live in host memory: reuse it rather than fault it in each step
-    else:
-        accelerator.set_device(int(os.environ["LOCAL_RANK"]))
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    timeout = {} if timeout_seconds is None else {"timeout": datetime.timedelta(seconds=timeout_seconds)}
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name(),
-                               auto_mpi_discovery=False, verbose=False, **timeout)
-
-
-def finish_distributed() -> None:
-    """Wait for every rank (a barrier), then destroy the process groups. Only for clean ends
-    (done, preempted, agreed divergence stop), where every rank reaches this call: after an error
-    another rank may still be inside a collective, and the launcher ends the ranks anyway.
-    Entry points end through `exit_rank`, which calls this first."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def exit_rank(code: int = 0, clean: bool = True) -> NoReturn:
-    """End a rank that finished cleanly with exit status `code`, skipping interpreter teardown.
-    `clean=False` (a rank that failed: another may still be inside a collective, so no barrier and
-    no thread is waited for) keeps only the exit handlers, the flush and the os._exit.
-
-    Why not a plain return: gloo's worker threads release finished collectives on their own
-    schedule, also after the barrier and `destroy_process_group` have returned (the groups live
-    on while anything holds them). Releasing one drops tensors that own Python objects, which
-    takes the GIL; once the interpreter has begun to finalize, CPython 3.11 ends such a thread
-    with pthread_exit, whose unwinding through the noexcept destructor calls std::terminate
-    ("terminate called without an active exception", SIGABRT). Seen here in 1 of 40 runs of a
-    two-rank job on 2 loaded cores; pytorch/pytorch#190489 (torch's decref guards on
-    Py_IsInitialized, still true while finalizing). A finished run then reports a failed rank and
-    a preempted one exits with -6 instead of the requeue code, so SLURM does not requeue it.
-
-    So: meet the other ranks and destroy the groups (`finish_distributed`; should another rank be
-    gone already, say so and go on), wait for this process's non-daemon threads and run its
-    atexit handlers and flush stdio, as a normal exit would, then `os._exit(code)` before
-    finalization begins. Every file the ranks write is
-    closed (checkpoints committed, metrics appended and closed, TensorBoard flushed per write)
-    before this is reached."""
-    import atexit
-    import threading
-
-    heartbeat.mark(f"exited {code}")  # a rank leaving on purpose is not named as a lost one
-    if clean:
-        try:
-            finish_distributed()
-        except Exception as e:  # another rank is gone; this one's work is done: leave all the same
-            print(f"rank {os.environ.get('RANK', '0')}: could not meet the other ranks at exit "
-                  f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", file=sys.stderr, flush=True)
-        else:
-            threading._shutdown()  # what Py_FinalizeEx does first: join the non-daemon threads
-    atexit._run_exitfuncs()  # then its exit handlers (logging's flush among them)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
-            pass
-    os._exit(code)
-
-
-def deepspeed_config(p: ParallelConfig, t: TrainConfig, run_dir: str, load_universal: bool = False) -> dict:
-    """The DeepSpeed JSON config derived from the run config.
-
-    Batches are token-budgeted, so DeepSpeed's 'micro batch size' is nominal (1): it is used only
-    for sample counters. Loss normalisation is done by the labels' scale (parallel/pipeline.py).
-    `load_universal`: the checkpoint to resume is a universal one (another layout's, converted by
-    parallel/checkpoints.py reshard); DeepSpeed then reads weights and Adam moments by name.
-    """
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": t.micro_batches,
-        "train_batch_size": t.micro_batches * p.data_parallel,
-        "gradient_clipping": t.clip_norm,
-        "zero_optimization": {"stage": p.zero_stage},
-        **precision_of(p.precision).deepspeed_config(),
-        "steps_per_print": 2**31,
-        "wall_clock_breakdown": False,
-        # DeepSpeed's throughput timer synchronises the device at every micro-batch's forward (a
-        # host sync per micro-batch on GPUs) to print samples/s; the trainer measures its own.
-        "timers": {"throughput": {"enabled": False}},
-        "checkpoint": {"load_universal": load_universal},
-        # DeepSpeed's monitors write our events on global rank 0: TensorBoard and one CSV per metric.
-        "tensorboard": {"enabled": True, "output_path": os.path.join(run_dir, "tensorboard"),
-                        "job_name": "train"},
-        "csv_monitor": {"enabled": True, "output_path": os.path.join(run_dir, "metrics"),
-                        "job_name": "train"},
-        "pipeline": {
-            "activation_checkpoint_interval": p.activation_checkpoint_interval,
-            # Reentrant checkpointing loses gradients of int-only first-stage inputs.
-            "use_reentrant": False,
-            # Partitioning the activation across tensor-parallel ranks needs static shapes.
-            "pipe_partitioned": False,
-            "grad_partitioned": False,
-        },
-    }
-
-
-def inverse_sqrt(warmup: int):
-    """LR multiplier at optimizer step n (1-based): linear warm-up, then sqrt(warmup / n)."""
-    def factor(zero_based_step: int) -> float:
-        n = zero_based_step + 1
-        if warmup <= 0:  # no warm-up: full lr at step 1, then 1/sqrt(n)
-            return n ** -0.5
-        if n <= warmup:
-            return n / warmup
-        return (warmup / n) ** 0.5
-    return factor
-
-
-def adamw(params, t) -> torch.optim.Optimizer:
-    """The client AdamW, fused (one kernel per step) where torch has the kernel for the device.
-
-    ZeRO hands the optimizer one flat fp32 partition: the default single-tensor AdamW then makes
-    full-size temporaries every step (184 MB each for 46M parameters, freshly mapped and faulted
-    in by glibc above 32 MB); the fused kernel makes none. 100L-100L d=64 on CPU: the optimizer
-    step 0.087 → 0.010 CPU s. Same update up to rounding.
-    """
-    params = list(params)
-    kwargs = dict(lr=t.lr, betas=t.adam_betas, eps=t.adam_eps, weight_decay=t.weight_decay)
-    try:
-        return torch.optim.AdamW(params, fused=True, **kwargs)
-    except RuntimeError:  # no fused kernel for this device or dtype
-        return torch.optim.AdamW(params, **kwargs)
+    deepspeed.zero.partition_parameters.shutdown_init_context()
+    merge_tp_model_init_into_config(config, None, None, dist)
+    mpu = module.mpu()
+    config_class = DeepSpeedConfig(config, mpu)
+    deepspeed.set_optimizer_flags(config_class, module)
+    engine = engine_class(args=None, model=module, optimizer=optimizer, model_parameters=None,
+                          training_data=None, lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=None,
+                          collate_fn=None, config=config, config_class=config_class)
+    deepspeed.zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    return engine

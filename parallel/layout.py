@@ -2,7 +2,7 @@
 
 Built once per rank from `parallel:` of the run config, after torch.distributed is initialised
 (`Layout.build`), and handed to everything that needs to know where this rank sits: the engine
-set-up (parallel/engine.py), the tensor-parallel layers, the trainer, its divergence guard and
+set-up (parallel/parallelize.py), the tensor-parallel layers, the trainer, its divergence guard and
 stability instruments, and the checkpoint and RNG files. No other code derives ranks or checks the
 layout; the rules that can be checked before any rank starts (tp divides heads, FFN width and
 vocabulary; pp at most the pipeline layers) are trainer/config.py's, on the config.
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from parallel import accelerator
 from parallel.config import ParallelConfig
+from runtime import accelerator
 
 AXES = {"pipe": "pipe", "data": "data", "tensor": "model"}
 """The layout's axes → DeepSpeed's names for them."""

@@ -1,11 +1,11 @@
 """The trainer's optimizer for every precision: DeepSpeed's BF16_Optimizer without per-tensor work.
 
 `FlatOptimizer` is a BF16_Optimizer (deepspeed 0.19.8, runtime/bf16_optimizer.py) built for fp32,
-bf16 and fp16 alike by parallel/ds_engine.py's `TrainerEngine._configure_optimizer`. DeepSpeed's
+bf16 and fp16 alike by parallel/engine.py's `TrainerEngine._configure_optimizer`. DeepSpeed's
 construction gives it its layout: the module's weights are views of one flat buffer per parameter
 group, padded for the data-parallel partitions; an fp32 gradient buffer of the same layout; the
 fp32 master partition the client AdamW steps; the hp links, `state_dict`, legacy and universal
-checkpoint loading (so parallel/checkpoints.py's consolidate and reshard read its checkpoints as
+checkpoint loading (so checkpoint/checkpoints.py's consolidate and reshard read its checkpoints as
 DeepSpeed's bf16 ones). What it changes is the work per micro-batch and per step:
 
 * Accumulation into the flat fp32 buffer (the fold, `update_hp_grads`): after each backward the

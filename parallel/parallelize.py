@@ -32,23 +32,22 @@ import io
 import torch
 
 from model.config import ModelConfig
-from parallel.config import ParallelConfig, TrainConfig
-from parallel.engine import adamw, deepspeed_config, inverse_sqrt
+from parallel.config import ParallelConfig
+from parallel.engine_config import Optimization, adamw, deepspeed_config, inverse_sqrt
 from parallel.layout import Layout
 from parallel.precision import precision_of
 from parallel.schedules import schedule_of
 
 
-def parallelize(stage, layout: Layout, p: ParallelConfig, t: TrainConfig, run_dir: str,
+def parallelize(stage, layout: Layout, p: ParallelConfig, t: Optimization, run_dir: str,
                 load_universal: bool = False):
     """Apply 1-5 (module docstring) to `stage`, this rank's built plain TranslationPipe; the engine.
     The engine records what was applied: `precision`, `schedule` and `compiled_layers` (layers
     compiled per kind, empty when train.compile is off)."""
     from parallel.compiled import compile_enabled, compile_layers
-    from parallel.ds_engine import initialize
+    from parallel.engine import initialize
     from parallel.pipeline import plain_name
-    from parallel.tensor import TensorParallel
-    from parallel.tensor import apply_tensor_parallel
+    from parallel.tensor import TensorParallel, apply_tensor_parallel
 
     precision, schedule = precision_of(p.precision), schedule_of(p.schedule)
     object.__setattr__(stage, "precision", precision)  # read by FlatOptimizer when the engine builds it
@@ -75,10 +74,10 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: TrainConfig, run_di
     return engine
 
 
-def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: TrainConfig, run_dir: str,
+def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: Optimization, run_dir: str,
                  load_universal: bool = False, init=None):
     """This rank's plain pipeline stage of the model, made parallel by `parallelize`; (engine, stage).
-    `init(stage)` sets the plain stage's weights first (train.init_from: parallel/init_from.py)."""
+    `init(stage)` sets the plain stage's weights first (train.init_from: checkpoint/init_from.py)."""
     from parallel.pipeline import TranslationPipe
 
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its seed and topology

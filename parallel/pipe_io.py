@@ -33,7 +33,6 @@ import torch
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 """A stage message's (shape, dtype) per tensor."""
 
@@ -56,7 +55,7 @@ def check_message(announced: list[Layout], index: int, tensors, stage: int) -> N
 
 
 class MessageIO:
-    """Mixed into the trainer's PipelineEngine (parallel/ds_engine.py)."""
+    """Mixed into the trainer's PipelineEngine (parallel/engine.py)."""
 
     _expected: list[Layout] | None = None
     _received = 0  # micro-batches of the announced step received so far

@@ -40,7 +40,7 @@ class Precision:
     def deepspeed_config(self) -> dict:
         """DeepSpeed's keys for this precision. Its flags select the engine's paths (the bf16 and
         fp16 casts of the module, fp16's loss scaling in the backward); the optimizer they would
-        select is replaced by FlatOptimizer (parallel/ds_engine.py), for which `grad_accum_dtype`
+        select is replaced by FlatOptimizer (parallel/engine.py), for which `grad_accum_dtype`
         matters only where DeepSpeed's own optimizers run (the A/B runs: bf16 then accumulates in
         fp32 as FlatOptimizer does)."""
         return {"bf16": {"enabled": self.name == "bf16"},

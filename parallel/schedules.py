@@ -21,7 +21,7 @@ class Schedule:
     """As text names it (1F1B, ZB-H1)."""
     summary: str
     engine: str
-    """`module:Class` of the engine that runs it (a TrainerEngine, parallel/ds_engine.py), imported
+    """`module:Class` of the engine that runs it (a TrainerEngine, parallel/engine.py), imported
     when an engine is built (its module may import DeepSpeed)."""
     order: Order
     """Its compute order of one stage, (stages, micro-batches, stage) → [('F' | 'B' | 'W' | 'BW', j)],
@@ -41,7 +41,7 @@ class Schedule:
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("1f1b", "1F1B", "DeepSpeed's one-forward-one-backward (TrainSchedule)", "parallel.ds_engine:TrainerEngine",
+    Schedule("1f1b", "1F1B", "DeepSpeed's one-forward-one-backward (TrainSchedule)", "parallel.engine:TrainerEngine",
              one_f_one_b_order),
     Schedule("zb-h1", "ZB-H1", "zero-bubble ZB-H1: each backward split into the input gradient, run at once, and the weight "
                       "gradients, run later in the pipeline's idle time (parallel/zero_bubble.py)",

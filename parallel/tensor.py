@@ -27,7 +27,7 @@ activations of the local columns) draws from DeepSpeed's model-parallel RNG trac
 tensor-parallel rank (`seed_tensor_parallel_rng`) and saved/restored by DeepSpeed's activation
 checkpointing on CPU and GPU. Dropout on the replicated residual stream uses the default RNG,
 which the trainer seeds per stage and replica but not per tensor-parallel rank
-(parallel/rng.py `seed_dropout`), so it stays identical across tensor-parallel ranks, as the
+(runtime/rng.py `seed_dropout`), so it stays identical across tensor-parallel ranks, as the
 replicated activations require.
 """
 from __future__ import annotations

@@ -51,11 +51,10 @@ from deepspeed.runtime.pipe import p2p as ds_p2p
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from parallel import accelerator
-from parallel.ds_engine import TrainerEngine
+from parallel.engine import TrainerEngine
 from parallel.weight_split import matmul_weights
 from parallel.zb_timeline import fixed, simulate, tuned_schedule
-
+from runtime import accelerator
 
 # ---------------------------------------------------------------- the schedule
 
@@ -127,7 +126,7 @@ class ZeroBubbleH1Schedule(ds_schedule.PipeSchedule):
 
 
 class ZeroBubbleEngine(TrainerEngine):
-    """The trainer's PipelineEngine (parallel/ds_engine.py) running ZeroBubbleH1Schedule with B/W-split backward passes.
+    """The trainer's PipelineEngine (parallel/engine.py) running ZeroBubbleH1Schedule with B/W-split backward passes.
 
     Besides WeightPass, two pieces of DeepSpeed's per-engine state become per micro-batch, since
     ZB-H1 may receive other messages between a RecvGrad and its BackwardPass, or run another

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 GIB = 2**30
 
@@ -30,7 +30,7 @@ DEVICES: dict[str, dict] = {
 }
 # Kernel efficiency: the fraction of the dense peak that forward + backward reach, before bubble
 # and communication (what step_time divides compute by). One basis for every GPU type: until the
-# GPU check (bench/scripts/gpu_check.sh) has measured a type on the trainer's current path
+# GPU check (gpucheck/gpu_check.sh) has measured a type on the trainer's current path
 # (compiled layers, one sync per step), an estimate, the same for every type, that grows with the
 # micro-batch's target tokens and the model's width:
 #     E_MAX · t / (t + T_HALF) · d / (d + D_HALF)

@@ -46,14 +46,13 @@ import yaml
 
 from model.config import ModelConfig
 from model.flops import layer_forward_flops
-from parallel.accelerator import HOST
 from parallel.loss import CHUNK_BYTES
-from planner.devices import Device
 from parallel.partition import stage_bounds
 from parallel.precision import PRECISIONS
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
-from planner.zb import flop_costs, measured_costs, pipeline, stage_costs
-from planner.zb import weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
+from planner.devices import Device
+from planner.zb import flop_costs, measured_costs, pipeline, stage_costs, weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
+from runtime.accelerator import HOST
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -208,13 +207,13 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
-    # ZeRO-1 with one replica in fp32 runs as parallel/ds_engine.py's LeanZeroOptimizer: its
+    # ZeRO-1 with one replica in fp32 runs as parallel/engine.py's LeanZeroOptimizer: its
     # master partition is the flat weights and the gradients live in one flat buffer for good.
     lean_zero1 = layout.zero == 1 and layout.dp == 1 and layout.precision == "fp32"
     if (layout.zero == 0 or lean_zero1) and layout.precision != "bf16":  # (BF16_Optimizer shards by dp itself)
         # No flat fp32 copy: AdamW's m and v sit beside the weights, unsharded, and the fused
         # AdamW makes no temporaries; DeepSpeed's all-reduce flattens the gradients into buckets
-        # with more than one replica (parallel/ds_engine.py skips it with one).
+        # with more than one replica (parallel/engine.py skips it with one).
         # fp16 (FP16_Optimizer) keeps an fp32 master copy too; by its code, not measured.
         unsharded = 8 if layout.precision == "fp32" else 12
         kept_dp, step, step_dp = 0, grads * (layout.dp > 1), 0

@@ -1,7 +1,7 @@
 """What a config field accepts, declared once in its annotation, and the one check of it.
 
 Every section of the run config (model/config.py, data/config.py, parallel/config.py,
-trainer/config.py) is a dataclass whose fields say what they accept next to the field: the type,
+trainer/train_config.py, trainer/config.py) is a dataclass whose fields say what they accept next to the field: the type,
 an enumeration as ``Literal[...]`` and bounds or any other rule as ``Annotated[int, Range(ge=1)]``
 / ``Annotated[str, Rule(test, text)]``. `coerce` checks one value against its annotation (the type,
 converting what YAML gives where the meaning is plain, then the enumeration, finiteness and the

@@ -6,7 +6,7 @@ AdamW, inverse-sqrt LR, global-norm clipping by torch.nn.utils.clip_grad_norm_, 
 counter; optionally the stability instruments of model/instruments.py, and dropout drawn the way
 a pipeline draws it.
 
-Dropout in a pipeline: each stage's rank draws from its own stream (parallel/rng.py
+Dropout in a pipeline: each stage's rank draws from its own stream (runtime/rng.py
 `seed_dropout(seed, stage, replica)`), layer after layer, micro-batch after micro-batch
 (activation checkpointing replays a forward's draws and restores the stream, so it changes
 nothing). `reference_run(..., stage_bounds=b)` walks the layer plan and switches to stage s's
@@ -29,9 +29,9 @@ from model.layers import padding_mask, split_fused_projections
 from model.norms import set_training_step
 from model.step import plain_step
 from model.transformer import EncoderDecoder, layer_plan
-from parallel.engine import inverse_sqrt
-from parallel.rng import seed_dropout
+from parallel.engine_config import inverse_sqrt
 from parallel.tensor import merge_shards
+from runtime.rng import seed_dropout
 
 
 class StageStreams:

@@ -1,5 +1,5 @@
-"""./run.sh bench NAME: every benchmark is one module of bench/ that declares `BENCH = Bench(...)`,
-and launcher/commands/bench.py finds them (their names, help, configs, path flags, launches, the
+"""./run.sh bench NAME: every benchmark is one module of bench/ (or gpucheck/) that declares
+`BENCH = dict(...)`, plain data importing nothing, and launcher/commands/bench.py finds them (their names, help, configs, path flags, launches, the
 GPU variant of `bench train`) without importing them. A new benchmark needs its module only."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 import bench
+import gpucheck
 import launcher.cli
 import launcher.options
 from launcher.commands import bench as command
@@ -23,23 +24,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_module_that_declares_a_bench_is_discovered_as_it_declares_it():
     """What ./run.sh reads from the sources equals what the modules make when imported, and no
-    module of bench/ makes a BENCH that is not found."""
+    module of bench/ or gpucheck/ makes a BENCH that is not found; none imports this command."""
     imported = {}
-    for _, name, is_package in pkgutil.iter_modules(bench.__path__):
-        module = importlib.import_module(f"bench.{name}")
-        if not is_package and hasattr(module, "BENCH"):
-            assert isinstance(module.BENCH, Bench), name
-            imported[name] = module.BENCH
+    for package in (bench, gpucheck):
+        for _, name, is_package in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{name}")
+            if not is_package and hasattr(module, "BENCH"):
+                assert isinstance(module.BENCH, dict), name
+                imported[module.__name__] = Bench(**module.BENCH)
+                assert not hasattr(module, "Bench"), name  # it imports nothing to declare itself
     assert imported == command.benches()
-    assert {"data", "layouts", "gpu", "schedules", "startup", "model", "ops"} <= set(imported)
+    assert {f"bench.{m}" for m in ("data", "layouts", "gpu", "schedules", "startup", "model", "ops")} | {
+        "gpucheck.check"} <= set(imported)
     for module, declared in imported.items():  # each names an entry point its module has
-        assert callable(getattr(importlib.import_module(f"bench.{module}"), declared.entry)), module
+        assert callable(getattr(importlib.import_module(module), declared.entry)), module
 
 
 def test_bench_train_is_the_layout_grid_on_cpus_and_gpu_py_on_a_gpu():
     assert command.modules("train") == ["bench.layouts", "bench.gpu"]
-    assert command.serving("train", gpu=False)[0] == "layouts" and command.serving("train", gpu=True)[0] == "gpu"
-    assert command.serving("data", gpu=True)[0] == "data"  # no GPU variant: the same module
+    assert command.serving("train", gpu=False)[0] == "bench.layouts"
+    assert command.serving("train", gpu=True)[0] == "bench.gpu"
+    assert command.serving("data", gpu=True)[0] == "bench.data"  # no GPU variant: the same module
 
 
 def test_the_help_lists_every_bench_and_what_it_does():
@@ -53,7 +58,7 @@ def test_the_help_lists_every_bench_and_what_it_does():
 
 def test_reading_the_declarations_imports_no_bench_and_no_torch():
     code = ("import sys; import launcher.commands.bench as b; b.HELP; b.names(); "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[0] == 'bench'))")
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.split('.')[0] in ('bench', 'gpucheck')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -65,8 +70,7 @@ def extra(tmp_path, monkeypatch):
     package.mkdir()
     (package / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(command, "FOLDER", str(package))
-    monkeypatch.setattr(command, "PACKAGE", "extra_benches")
+    monkeypatch.setattr(command, "PACKAGES", {"extra_benches": str(package)})
     monkeypatch.chdir(tmp_path)  # the command works from the repository root; come back after
     monkeypatch.delenv(launcher.options.CALLER_CWD_ENV, raising=False)
     monkeypatch.setattr(launcher.options, "_caller_cwd", None)
@@ -80,9 +84,7 @@ def write(package, name: str, text: str) -> None:
 
 
 HELLO = """
-    from launcher.commands.bench import Bench
-
-    BENCH = Bench(name="hello", help="says hello{where}", paths=("--out",){gpu})
+    BENCH = dict(name="hello", help="says hello{where}", paths=("--out",){gpu})
 
 
     def {entry}(argv):
@@ -106,7 +108,7 @@ def test_a_new_bench_needs_only_its_module(extra, capsys, monkeypatch):
     command.declared.cache_clear()
     assert command.modules("hello") == ["extra_benches.hello", "extra_benches.hello_gpu"]
     assert "'bench hello' (says hello; says hello on a GPU)" in command.HELP
-    from parallel import accelerator
+    from runtime import accelerator
 
     monkeypatch.setattr(accelerator, "gpu_available", lambda: True)
     assert launcher.cli.main(["bench", "hello"]) == 0
@@ -117,11 +119,10 @@ def test_a_new_bench_needs_only_its_module(extra, capsys, monkeypatch):
 def test_a_declaration_takes_literal_values_and_one_module_per_name(extra):
     write(extra, "bad", """
         import os
-        from launcher.commands.bench import Bench
 
-        BENCH = Bench(name="bad", help="no", default_config=os.path.join("configs", "x.yaml"))
+        BENCH = dict(name="bad", help="no", default_config=os.path.join("configs", "x.yaml"))
     """)
-    with pytest.raises(ValueError, match=r"bad.py:5: Bench\(\.\.\.\) takes literal values only"):
+    with pytest.raises(ValueError, match=r"bad.py:4: BENCH = dict\(\.\.\.\) takes literal values only"):
         command.benches()
     command.declared.cache_clear()
     write(extra, "bad", HELLO.format(where="", gpu="", entry="main"))

@@ -41,11 +41,11 @@ import torch
 
 from data.batching import BatchStream, PairDataset
 from data.prepare import load_manifest
-from trainer.config import load_config
 from model.transformer import EncoderDecoder, smoothed_loss_sum
-from parallel.engine import adamw, inverse_sqrt
+from parallel.engine_config import adamw, inverse_sqrt
 from tests.conftest import launch, write_run_config
 from tests.reference import reference_run
+from trainer.config import load_config
 
 STEPS, CURVE_STEPS = 4, 50
 LOSS_REL, NORM_REL = 1e-4, 2.0**-10

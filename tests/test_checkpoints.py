@@ -13,8 +13,8 @@ import pytest
 import sacrebleu
 import torch
 
+from checkpoint.checkpoints import CheckpointError, load_model
 from launcher.cli import main as cli
-from parallel.checkpoints import CheckpointError, load_model
 from tests.conftest import TINY_DATA, launch, write_run_config
 
 STEPS, SAVE_AT = 4, 2

@@ -10,7 +10,7 @@ checked against what the project has.
    Every `--set KEY=VALUE` must name a config key.
 2. Repository paths (`parallel/engine.py`, `docs/x.md`, `tests/test_x*.py`, globs), links between
    the docs (and their #anchors), dotted Python names (`launcher.worker`,
-   `parallel.engine.adamw`), and config keys in the `section.key` form (and the keys of YAML
+   `parallel.engine_config.adamw`), and config keys in the `section.key` form (and the keys of YAML
    blocks) exist.
 3. Every `--flag` they name is an option of some command, benchmark or experiment parser, or an
    option of another tool listed in ALLOWED with its reason.

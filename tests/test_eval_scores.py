@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -157,7 +157,7 @@ def test_eval_prints_its_tables_and_at_most_one_line_of_notes(tiny_run, tmp_path
     proc = run_sh(*flags[:-2], "--splits", "test", env=env)
     assert proc.returncode == 0, proc.stderr
     scored = json.loads((Path(run_dir) / "eval-model" / "eval.json").read_text())["model"]
-    from parallel.checkpoints import load_model
+    from checkpoint.checkpoints import load_model
 
     assert scored == load_model(model).meta["source"] and not (Path(run_dir) / "eval").exists()
 

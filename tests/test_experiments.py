@@ -14,8 +14,8 @@ import yaml
 
 from data.prepare import load_manifest
 from experiments import depth_1000, update_norms
-from trainer.config import load_config
 from model.transformer import layer_plan
+from trainer.config import load_config
 
 
 def test_every_depth_1000_run_config_is_valid_and_has_the_promised_shape(tmp_path):
@@ -51,7 +51,7 @@ def test_fig4_runs_use_the_update_norms_part1_recipe(tmp_path):
     for key in ("d_model", "heads", "ffn_dim", "dropout"):
         assert cfg["model"][key] == getattr(ref, key)
     # the trainer's schedule at steps 1..20 is update-norms' lr_at
-    from parallel.engine import inverse_sqrt
+    from parallel.engine_config import inverse_sqrt
 
     factor = inverse_sqrt(cfg["train"]["warmup_steps"])
     for step in (1, 10, 20):

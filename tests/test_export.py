@@ -17,13 +17,13 @@ import pytest
 import sacrebleu
 import torch
 
+from checkpoint.checkpoints import CONSOLIDATED_FORMAT
 from data.batching import eval_batches
 from data.dataset import PairDataset
 from data.spm import Tokenizer
 from launcher.cli import main as cli
 from model.config import ModelConfig
 from model.transformer import EncoderDecoder, smoothed_loss_sum
-from parallel.checkpoints import CONSOLIDATED_FORMAT
 from tests.conftest import TINY_MODEL
 
 EXPORTABLE = ["deepnorm", "deepnorm-xavier-1.15", "postln", "postln-init", "branchnorm"]

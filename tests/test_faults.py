@@ -31,7 +31,6 @@ import pytest
 from tests.conftest import ROOT, launch, write_run_config
 from tests.run_cli import Run, _gone, _losses
 
-
 # ---- checkpoint damage and divergence (one launch) -------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -273,7 +272,7 @@ def test_run_owns_its_processes_refuses_a_second_trainer_and_survives_kill_9(tin
 
 
 def manifest_of(ckpt: str, tag: str):
-    from parallel import manifest
+    from checkpoint import manifest
 
     return manifest.read(os.path.join(ckpt, tag))
 
@@ -302,7 +301,7 @@ def test_lock_of_a_killed_trainer_is_refused_then_taken_over(tmp_path):
 
 
 def test_manifest_names_every_kind_of_damage(tmp_path):
-    from parallel import manifest
+    from checkpoint import manifest
 
     ckpt = tmp_path / "checkpoints"
     (ckpt / "step3").mkdir(parents=True)
@@ -367,7 +366,7 @@ def test_rendezvous_port_is_outside_the_ephemeral_range_and_free():
     free_port draws below the kernel's ephemeral range and checks the port binds."""
     import socket
 
-    from parallel.engine import ephemeral_port_range, free_port
+    from runtime.distributed import ephemeral_port_range, free_port
 
     low, high = ephemeral_port_range()
     assert 1024 < low <= high

@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from parallel.checkpoints import CONSOLIDATED_FORMAT, load_model
+from checkpoint.checkpoints import CONSOLIDATED_FORMAT, load_model
 from parallel.tensor import merge_shards
 from tests.bad_inputs import assert_one_line_error, run_cli
 from tests.conftest import TINY_DATA, TINY_MODEL, run_worker, write_run_config

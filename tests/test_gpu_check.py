@@ -1,4 +1,4 @@
-"""The GPU check (bench/scripts/gpu_check.sh, bench/gpu_check.py) rehearsed on this machine's CPU.
+"""The GPU check (gpucheck/gpu_check.sh, gpucheck/check.py) rehearsed on this machine's CPU.
 
 One rehearsal runs every part at tiny shapes, one of them (eager) made to hang after its first
 result while ignoring SIGTERM: it is killed at its limit, keeps that result, and every other part's
@@ -8,15 +8,16 @@ the runner's pieces without torch: the kill of a part that ignores SIGTERM and o
 in a session of its own, the budget that cuts parts, the merge of a run and its rerun, and the
 train.json the planner reads."""
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
-from bench import gpu_check, gpu_results
+from bench import gpu_results
+from gpucheck import check as gpu_check
 from tests.conftest import ROOT
 
 HANDED_BACK = {"summary.md", "versions.txt", "results.jsonl", "train.json", "ops.json", "costs.json", "replay.md",
@@ -47,7 +48,7 @@ def test_every_part_comes_back_and_the_killed_one_keeps_its_first_result(rehears
     eager = outcomes["eager"]
     assert eager["status"] == f"killed at its {STALL_LIMIT} s limit (SIGKILL: SIGTERM was ignored for 5 s)"
     assert STALL_LIMIT + 5 <= eager["seconds"] < STALL_LIMIT + 5 + 5
-    assert "bench/scripts/gpu_check.sh OUT2 --only eager --rehearse" in summary
+    assert "gpucheck/gpu_check.sh OUT2 --only eager --rehearse" in summary
     handed_back = {p.name for p in out.iterdir()}
     assert handed_back == HANDED_BACK  # files only, at most 8: what a device run hands back
     train = json.loads((out / "train.json").read_text())
@@ -83,7 +84,7 @@ def test_the_counts_and_costs_come_back(rehearsal):
 
 
 def test_one_package_list_for_the_wheels_and_the_versions(rehearsal):
-    """bench/scripts/gpu_packages.txt is the one list: what gpu_wheels.sh builds or fetches (at the
+    """gpucheck/packages.txt is the one list: what gpu_wheels.sh builds or fetches (at the
     pins of requirements.txt, which this environment has) and what versions.txt reports."""
     import importlib.util
     from importlib import metadata
@@ -152,7 +153,7 @@ def test_the_budget_cuts_the_parts_it_has_no_time_for(tmp_path):
     assert gpu_check.main([str(out), "--rehearse", "--budget", "20", "--only", "layers,replay"]) == 0
     summary = (out / "summary.md").read_text()
     assert "| layers | cut: 10 s of the budget left |" in summary and "| replay | cut:" in summary
-    assert "bench/scripts/gpu_check.sh OUT2 --only layers,costs,replay --rehearse" in summary  # replay reads its folder's costs
+    assert "gpucheck/gpu_check.sh OUT2 --only layers,costs,replay --rehearse" in summary  # replay reads its folder's costs
     assert "No first number" in summary
     assert sorted(p.name for p in out.iterdir()) == ["logs.txt", "results.jsonl", "summary.md"]  # none stale
 
@@ -179,7 +180,7 @@ def test_a_run_and_its_rerun_merge_into_the_file_the_planner_reads(tmp_path):
         folder.mkdir()
         for line in lines:
             gpu_results.append_jsonl(str(folder / "results.jsonl"), line)
-    from bench.gpu_summary import summary
+    from gpucheck.summary import summary
 
     assert gpu_check.merge(str(merged), [str(first), str(rerun)], summary) == 0
     train = json.loads((merged / "train.json").read_text())

@@ -2,7 +2,7 @@
 
 - Two gloo ranks: rank 1 stops (SIGSTOP) or stays behind in a phase while alive; rank 0's
   collective times out and it names rank 1 and its node in one line, from the heartbeats
-  (parallel/heartbeat.py, launcher/worker.py report_lost_contact).
+  (runtime/heartbeat.py, launcher/worker.py report_lost_contact).
 - launcher/faults.py on a run directory: an attempt SLURM ended (node failure) is counted at the
   next start, the same step failing twice stops the job, and so do more than MAX_FAULT_REQUEUES
   faults. The same paths on a real cluster: tests/test_slurm.py (jobs C and D).
@@ -32,7 +32,7 @@ def _lost_rank(rank: int, port: int, run_dir: str, mode: str) -> None:
     import torch.distributed as dist
 
     from launcher import worker
-    from parallel import heartbeat
+    from runtime import heartbeat
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", SLURMD_NODENAME=f"node{rank + 1}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -62,7 +62,7 @@ def _lost_rank(rank: int, port: int, run_dir: str, mode: str) -> None:
 def test_a_survivor_names_the_hung_rank_and_its_node(tmp_path, mode, words):
     """Rank 0's collective times out (4 s); it names rank 1 from the heartbeats, in one line."""
     code = ("import sys; from tests.test_heartbeat import _lost_rank; import torch.multiprocessing as mp; "
-            "from parallel.engine import free_port; "
+            "from runtime.distributed import free_port; "
             "ctx = mp.start_processes(_lost_rank, args=(free_port(), sys.argv[1], sys.argv[2]), nprocs=2, join=False); "
             "ctx.processes[0].join(60); [p.kill() for p in ctx.processes]")
     start = time.monotonic()
@@ -84,7 +84,7 @@ def test_a_survivor_names_the_hung_rank_and_its_node(tmp_path, mode, words):
 def test_faults_counts_an_attempt_slurm_ended_and_stops_when_the_same_step_fails_again(tmp_path):
     """`begin` finds attempt 0, which SLURM ended (no `end`), records its survivor's report; a
     second fault at the same step in attempt 1 stops the job (stopped.json, exit 1)."""
-    from parallel import heartbeat
+    from runtime import heartbeat
 
     run_dir = str(tmp_path)
     os.makedirs(os.path.join(run_dir, "heartbeat"))

@@ -1,4 +1,4 @@
-"""Training on CPUs keeps freed host memory for reuse (parallel.accelerator.keep_freed_host_memory).
+"""Training on CPUs keeps freed host memory for reuse (runtime.accelerator.keep_freed_host_memory).
 
 Each case runs in a fresh interpreter, since glibc's malloc settings are per process and the
 point is what a new rank sees: a step that allocates and frees four 40 MB tensors (above the
@@ -24,7 +24,7 @@ STEPS = r"""
 import json, resource, sys
 import torch
 if sys.argv[1] == "setup":
-    from parallel.engine import setup_distributed
+    from runtime.distributed import setup_distributed
     setup_distributed()
 faults = []
 for step in range(8):
@@ -35,7 +35,7 @@ for step in range(8):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 applied = None
 if sys.argv[1] == "setup":  # after the steps: whether the setting could be applied here at all
-    from parallel.accelerator import keep_freed_host_memory
+    from runtime.accelerator import keep_freed_host_memory
     applied = keep_freed_host_memory()
 print(json.dumps({{"faults": faults, "applied": applied, "total": total}}))
 """

@@ -2,12 +2,15 @@
 
 Floors, bottom up (a folder may import its own floor and the floors below it):
     schema/                              the standard library only (what a config field accepts)
-    model/                               schema/, torch, numpy and the standard library only
-    data/, parallel/                     model/ (not each other)
-    trainer/, translate/, export/,       model/, data/, parallel/ (not each other)
-    planner/
+    model/, runtime/                     schema/; model/ takes torch, numpy and the standard library
+                                         only; runtime/ is what every rank process needs (the
+                                         accelerator, process start and end, RNG streams, heartbeats)
+    data/, parallel/                     model/, runtime/ (not each other)
+    checkpoint/                          parallel/ and below (formats, conversions, init_from)
+    trainer/, translate/, export/,       model/, runtime/, data/, parallel/, checkpoint/ (not each
+    planner/                             other)
     launcher/                            everything above; no command module imports another
-    bench/, experiments/                 anything
+    bench/, gpucheck/, experiments/      anything
 Every import is read with `ast` from the source, at module level and inside functions alike (a
 function-local import is still an arrow), so nothing is imported to check it.
 """
@@ -20,20 +23,23 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("schema", "model", "data", "parallel", "trainer", "translate", "export", "planner", "launcher",
-            "bench", "experiments")
-_BASE = {"schema", "model", "data", "parallel"}
+PACKAGES = ("schema", "model", "runtime", "data", "parallel", "checkpoint", "trainer", "translate", "export",
+            "planner", "launcher", "bench", "gpucheck", "experiments")
+_BASE = {"schema", "model", "runtime", "data", "parallel", "checkpoint"}
 MAY_IMPORT = {
     "schema": {"schema"},
     "model": {"schema", "model"},
-    "data": {"schema", "model", "data"},
-    "parallel": {"schema", "model", "parallel"},
+    "runtime": {"schema", "runtime"},
+    "data": {"schema", "model", "runtime", "data"},
+    "parallel": {"schema", "model", "runtime", "parallel"},
+    "checkpoint": {"schema", "model", "runtime", "parallel", "checkpoint"},
     "trainer": _BASE | {"trainer"},
     "translate": _BASE | {"translate"},
     "export": _BASE | {"export"},
     "planner": _BASE | {"planner"},
-    "launcher": set(PACKAGES) - {"bench", "experiments"},
+    "launcher": set(PACKAGES) - {"bench", "gpucheck", "experiments"},
     "bench": set(PACKAGES),
+    "gpucheck": set(PACKAGES),
     "experiments": set(PACKAGES),
 }
 THIRD_PARTY = {"schema": set(), "model": {"torch", "numpy"}}  # what these floors may take besides the stdlib

@@ -23,12 +23,12 @@ def test_rank_order_is_tensor_fastest_then_data_then_pipeline():
 
 
 def test_build_in_a_world_of_one_and_the_process_count_check(tmp_path):
-    """One process (no launcher: parallel/engine.py's set-up assumes a world of one): the 1×1×1
+    """One process (no launcher: runtime/distributed.py's set-up assumes a world of one): the 1×1×1
     layout, with a group on every axis; a 2-stage layout refused with the keys named."""
     code = """
 import json, torch
 from parallel.config import ParallelConfig
-from parallel.engine import setup_distributed
+from runtime.distributed import setup_distributed
 from parallel.layout import Layout
 setup_distributed()
 layout = Layout.build(ParallelConfig())

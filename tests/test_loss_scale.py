@@ -2,7 +2,7 @@
 
 The universal checkpoint a reshard makes has no place for the scaler's state and DeepSpeed's load
 passes none, so a resharded run used to start again at 2^16 and overflow its way back down;
-parallel/checkpoints.py keeps the state beside the universal checkpoint and the trainer restores
+checkpoint/checkpoints.py keeps the state beside the universal checkpoint and the trainer restores
 it (tests/dist/loss_scale_worker.py: 2 ranks, pp = 2 → pp = 1 × dp = 2). Only where DeepSpeed's
 accelerator takes fp16 (on CPUs: AVX512-FP16 or AMX).
 """

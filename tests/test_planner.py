@@ -76,7 +76,6 @@ def test_partition_is_the_trainers_or_as_balanced():
     from deepspeed.runtime.utils import partition_balanced
 
     from model.flops import layer_costs
-
     from model.transformer import layer_plan
 
     small = ModelConfig(encoder_layers=6, decoder_layers=6, d_model=64, heads=2, ffn_dim=128, vocab_size=1000)
@@ -175,7 +174,7 @@ def test_plan_command_rejects_bad_input(capsys):
 def test_without_zero_adam_state_is_unsharded_and_one_replica_makes_no_step_copies():
     """parallel.zero_stage: 0 in fp32: AdamW's m and v (8 B/param) beside the weights on every
     replica, no flat master copy; DeepSpeed's all-reduce flattens the gradients (4 B/param) only
-    with more than one replica (parallel/ds_engine.py skips it with one). ZeRO-1 with one replica
+    with more than one replica (parallel/engine.py skips it with one). ZeRO-1 with one replica
     (LeanZeroOptimizer) holds the same, its flat gradient buffer also during forward."""
     import dataclasses
 

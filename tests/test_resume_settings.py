@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
+from parallel.engine_config import adamw, inverse_sqrt
 from trainer.checkpointer import Checkpointer
-from parallel.config import TrainConfig
-from parallel.engine import adamw, inverse_sqrt
+from trainer.train_config import TrainConfig
 
 
 def _trained(train: TrainConfig, steps: int):

@@ -189,8 +189,8 @@ def test_a_closed_output_before_the_ranks_start_is_no_finish(tiny_data, tmp_path
 def test_a_run_ended_where_it_stopped_keeps_that_launchs_numbers_and_is_not_requeued(tmp_path):
     """END_HERE (stopped at 3 of 6, relaunched with max_steps=3): summary.json keeps the numbers of
     the launch that reached step 3 under its new state, and the stop's requeue marker is gone."""
+    from checkpoint import manifest
     from launcher.preflight import end_run_here
-    from parallel import manifest
     from trainer.config import RunConfig
     from trainer.run_dir import PREEMPTED_MARKER
 

@@ -1,7 +1,7 @@
 """The inverse-square-root learning-rate schedule with linear warm-up."""
 import pytest
 
-from parallel.engine import inverse_sqrt
+from parallel.engine_config import inverse_sqrt
 
 
 def test_linear_warmup_then_inverse_sqrt():

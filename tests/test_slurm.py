@@ -34,9 +34,9 @@ import time
 import pytest
 
 from data.config import DataConfig
-from trainer.config import load_config
 from tests.conftest import TINY_DATA
 from tests.reference import reference_run
+from trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "slurm")
@@ -181,7 +181,7 @@ def wait_in_log(run_dir: str, job: str, attempt: int, pattern: str, timeout: flo
 
 def rank_beat(run_dir: str, rank: int, launch: str, timeout: float = 600) -> dict:
     """Rank `rank`'s heartbeat record of `launch` (its PID and node) once it exists."""
-    from parallel import heartbeat
+    from runtime import heartbeat
 
     deadline = time.monotonic() + timeout
     while True:
@@ -339,7 +339,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_with_identical_losses(jo
 
 
 def committed_steps(run_dir: str) -> list[int]:
-    from parallel import manifest
+    from checkpoint import manifest
 
     return sorted(int(tag[4:]) for tag in manifest.committed_tags(os.path.join(run_dir, "checkpoints")))
 

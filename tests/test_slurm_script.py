@@ -95,7 +95,7 @@ def test_bad_job_flags_are_refused_naming_the_flag_and_write_no_script(tmp_path,
 
 
 def test_srun_task_variables_become_torch_rank_variables():
-    from parallel.engine import slurm_rank_env
+    from runtime.distributed import slurm_rank_env
 
     task = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8",
             "SLURM_NTASKS": "8", "SLURM_JOB_ID": "123456", "MASTER_ADDR": "gpu017"}
@@ -110,7 +110,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from parallel.engine import exit_rank
+    from runtime.distributed import exit_rank
     from trainer import signals
     from trainer.trainer import preemption_agreed
 
@@ -128,7 +128,7 @@ def _agreement_rank(rank: int, port: int, out: str) -> None:
 def test_preemption_signal_to_one_rank_stops_every_rank(tmp_path):
     import torch.multiprocessing as mp
 
-    from parallel.engine import free_port
+    from runtime.distributed import free_port
 
     out = str(tmp_path / "agreed")
     mp.spawn(_agreement_rank, args=(free_port(), out), nprocs=2)

@@ -1,4 +1,4 @@
-"""Nothing names a device type or a communication backend outside parallel/accelerator.py.
+"""Nothing names a device type or a communication backend outside runtime/accelerator.py.
 
 The trainer runs on whatever accelerator DeepSpeed picked; a literal 'cpu', 'cuda', 'gloo' or
 'nccl', a `torch.cuda` call or a `.cuda()` anywhere else would pin one path and leave the other

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from bench.counting import KernelCounter
-from parallel import accelerator
 from parallel.optimizer import FlatOptimizer
+from runtime import accelerator
 from tests.conftest import ROOT, TINY_MODEL, write_run_config
 from trainer.guard import DivergenceGuard
 

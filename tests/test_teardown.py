@@ -48,7 +48,7 @@ def test_the_scan_finds_a_worker_without_teardown(tmp_path):
 def test_finish_distributed_destroys_every_group_and_is_idempotent():
     code = """
 import torch.distributed as dist
-from parallel.engine import finish_distributed, setup_distributed
+from runtime.distributed import finish_distributed, setup_distributed
 setup_distributed()
 sub = dist.new_group([0])
 dist.all_reduce(__import__("torch").ones(1), group=sub)
@@ -76,7 +76,7 @@ import atexit, ctypes
 atexit.register(ctypes.PyDLL(None).usleep, 5_000_000)  # registered first: runs last
 import os, sys, threading, time
 import torch, torch.distributed as dist
-from parallel.engine import exit_rank
+from runtime.distributed import exit_rank
 mode, rank = sys.argv[1], int(os.environ["RANK"])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["MASTER_PORT"],
                         rank=rank, world_size=2)
@@ -105,7 +105,7 @@ exit_rank(75)
 
 
 def _two_ranks(mode: str) -> list[subprocess.CompletedProcess]:
-    from parallel.engine import free_port
+    from runtime.distributed import free_port
 
     env = dict(os.environ, MASTER_PORT=str(free_port()), WORLD_SIZE="2")
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, mode], cwd=ROOT, env=dict(env, RANK=str(r)),

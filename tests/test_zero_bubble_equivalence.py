@@ -15,9 +15,9 @@ import json
 import pytest
 import torch
 
-from trainer.config import load_config
 from tests.conftest import launch, write_run_config
 from tests.reference import load_params, reference_run
+from trainer.config import load_config
 
 STEPS, LR = 3, 0.001
 SCENARIOS = {(2, 1): "zb,zb_auto,zb_filled,zb_ac,zb_drop,zb_filled_drop,1f1b_drop,zb_bf16,1f1b_bf16,zb_filled_bf16",
@@ -101,7 +101,7 @@ def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
     ref = refs["deepnorm"]
     if "zb_drop" not in result:
         pytest.skip("dropout is compared at tp=1")
-    assert result["1f1b_drop"]["engine"] == "TrainerEngine"  # DeepSpeed's PipelineEngine (parallel/ds_engine.py), 1F1B
+    assert result["1f1b_drop"]["engine"] == "TrainerEngine"  # DeepSpeed's PipelineEngine (parallel/engine.py), 1F1B
     base = result["1f1b_drop"]
     for name in ("zb_drop", "zb_filled_drop"):  # W right after B; the first stage deferring W too
         zb = result[name]

@@ -24,26 +24,13 @@ except ImportError:  # not on every platform
 
 import torch
 
-from parallel import manifest, rng
-from parallel.checkpoints import kept_loss_scale
+from checkpoint import manifest
+from checkpoint.checkpoints import kept_loss_scale
+from runtime import rng
 from trainer.config import ConfigError, RunConfig, to_dict
+from trainer.progress import append_log, log0, note0
 from trainer.run_dir import record_stop, refusal_hint, resume_differences, saved_run_config, setting_changes
-from trainer.progress import LOG_NAME, append_log, same_file
 from trainer.signals import NO_ROOM_EXIT_CODE
-
-
-def log0(*args) -> None:
-    if torch.distributed.get_rank() == 0:
-        print(*args, flush=True)
-
-
-def note0(run_dir: str, text: str) -> None:
-    """A line of rank 0 for the console and train.log (where the console is not train.log already)."""
-    if torch.distributed.get_rank() != 0:
-        return
-    print(text, flush=True)
-    if not same_file(sys.stdout, os.path.join(run_dir, LOG_NAME)):
-        append_log(run_dir, text)
 
 
 class Checkpointer:
@@ -64,7 +51,7 @@ class Checkpointer:
 
     def universal(self) -> bool:
         """A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
-        layout (parallel/checkpoints.py) and none of this trainer's; the engine must be built to
+        layout (checkpoint/checkpoints.py) and none of this trainer's; the engine must be built to
         load it. Once this run saves its own checkpoints, those take over."""
         return (not manifest.committed_tags(self.ckpt_dir)
                 and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
@@ -158,7 +145,7 @@ class Checkpointer:
         self.restored(client, path)
         scaler = getattr(self.engine.optimizer, "loss_scaler", None)
         kept = kept_loss_scale(path if os.path.isdir(path) else os.path.dirname(path))
-        if scaler is not None and kept:  # fp16: the scale the source run had reached (parallel/checkpoints.py)
+        if scaler is not None and kept:  # fp16: the scale the source run had reached (checkpoint/checkpoints.py)
             for key, value in kept.items():
                 setattr(scaler, key, value)
         note0(self.cfg.run_dir, f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
@@ -257,7 +244,7 @@ class Checkpointer:
                              f"({'; '.join(diffs)}); {refusal_hint(diffs, self.cfg.run_dir)}")
 
     def save(self, step: int, client: dict) -> str:
-        """Every rank writes its files, then the manifest commits them (parallel/manifest.py): only
+        """Every rank writes its files, then the manifest commits them (checkpoint/manifest.py): only
         then does `latest` name this checkpoint. A folder of the same tag left by an earlier,
         interrupted or damaged save is removed first; so is, when the filesystem is short of room,
         what rotation would remove after this save anyway (`make_room`). A write that fails (a full

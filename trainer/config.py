@@ -1,5 +1,5 @@
 """Run configuration: YAML → the composite of the sections each folder owns (model/config.py,
-data/config.py, parallel/config.py), validated, with errors that name the file and key. This
+data/config.py, parallel/config.py, trainer/train_config.py), validated, with errors that name the file and key. This
 module only reads the file, builds the sections and checks the rules across them."""
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import yaml
 
 from data.config import GETTEXT_PREFIX, DataConfig
 from model.config import ModelConfig
-from parallel.config import ParallelConfig, TrainConfig
+from parallel.config import ParallelConfig
 from parallel.schedules import SCHEDULES
 from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, field_checks, from_dict
+from trainer.train_config import TrainConfig
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one

@@ -76,7 +76,7 @@ def rewind(engine, step: int) -> None:
 
 # ---- events from a process without an engine (./run.sh train after its ranks ended) -----------
 
-CSV_DIR = os.path.join("metrics", "train")  # where DeepSpeed's CSV monitor writes (parallel/engine.py)
+CSV_DIR = os.path.join("metrics", "train")  # where DeepSpeed's CSV monitor writes (parallel/engine_config.py)
 TENSORBOARD_DIR = os.path.join("tensorboard", "train")
 
 

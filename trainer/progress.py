@@ -153,3 +153,22 @@ def _is_terminal(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def log0(*args) -> None:
+    """A line of rank 0 for the console."""
+    import torch.distributed
+
+    if torch.distributed.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def note0(run_dir: str, text: str) -> None:
+    """A line of rank 0 for the console and train.log (where the console is not train.log already)."""
+    import torch.distributed
+
+    if torch.distributed.get_rank() != 0:
+        return
+    print(text, flush=True)
+    if not same_file(sys.stdout, os.path.join(run_dir, LOG_NAME)):
+        append_log(run_dir, text)

@@ -31,7 +31,8 @@ _FIXED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_
 
 def _resume_rules() -> dict[str, str]:
     from data.config import DataConfig
-    from parallel.config import ParallelConfig, TrainConfig
+    from parallel.config import ParallelConfig
+    from trainer.train_config import TrainConfig
 
     rules = {"run_dir": NOT_A_SETTING, "clusters": NOT_A_SETTING}
     for f in dataclasses.fields(ModelConfig):
@@ -118,10 +119,10 @@ def _shown(value) -> str:
 
 def saved_run_config(run_dir: str, log=print, restore: bool = True) -> dict | None:
     """The config a run's checkpoints were trained with: run_dir/config.json, or, when that file is
-    missing or damaged, the copy every checkpoint's manifest holds (parallel/manifest.py), taken
+    missing or damaged, the copy every checkpoint's manifest holds (checkpoint/manifest.py), taken
     from the newest committed checkpoint that has one and (`restore`: only where the run lock is
     held) written back to config.json; one line says so. None for a run without either (a new run)."""
-    from parallel import manifest
+    from checkpoint import manifest
 
     saved_path = os.path.join(run_dir, "config.json")
     damage = None
@@ -159,7 +160,7 @@ def record_stop(run_dir: str, message: str, code: int) -> None:
     """run_dir/stopped.json: why the run stopped in a way a requeue would meet again, and the exit
     code; a SLURM job then ends with that code instead of requeueing itself (launcher/slurm.py;
     srun may report the ranks it killed instead). Best effort: the disk may be full."""
-    from parallel import manifest
+    from checkpoint import manifest
 
     try:
         manifest.write_atomic(os.path.join(run_dir, STOPPED_MARKER),
@@ -214,7 +215,7 @@ def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dic
     or, for an ending the ranks could not record themselves (a signal that ends them at once, a
     failed rank), the newest committed checkpoint; and one `end | …` line in train.log. Best
     effort: the disk may be full. Returns what was written."""
-    from parallel import manifest
+    from checkpoint import manifest
     from trainer.progress import append_log
 
     record = dict(summary or {})

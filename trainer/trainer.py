@@ -4,7 +4,7 @@ applies the divergence guard's policy. launcher/worker.py is the process around 
 
 Every rank builds the same deterministic batch stream; replica r takes micro-batches
 [r·m, (r+1)·m) of each global step. An existing checkpoint in <run_dir>/checkpoints is resumed,
-including the stream position and every rank's RNG state (parallel/rng.py), so a resumed run
+including the stream position and every rank's RNG state (runtime/rng.py), so a resumed run
 computes exactly the losses of an uninterrupted one.
 """
 from __future__ import annotations
@@ -19,17 +19,26 @@ import time
 
 import torch
 
+from checkpoint import manifest
+from checkpoint.init_from import agreed_source, load_into
 from model.norms import set_training_step, step_blocks
-from parallel import accelerator, heartbeat, manifest, rng
 from parallel.compiled import summary as compiled_summary
-from parallel.init_from import agreed_source, load_into
+from runtime import accelerator, heartbeat, rng
 from trainer import metrics, signals
-from trainer.checkpointer import Checkpointer, log0, note0
+from trainer.checkpointer import Checkpointer
 from trainer.config import RunConfig
 from trainer.guard import DivergenceGuard, DivergenceStop
-from trainer.progress import LOG_NAME, Progress, append_log
-from trainer.run_dir import (BELOW, PREEMPTED_MARKER, STOPPED_MARKER, TRAIN, launched_max_steps, record_ending,
-                            record_stop, relaunch)
+from trainer.progress import LOG_NAME, Progress, append_log, log0, note0
+from trainer.run_dir import (
+    BELOW,
+    PREEMPTED_MARKER,
+    STOPPED_MARKER,
+    TRAIN,
+    launched_max_steps,
+    record_ending,
+    record_stop,
+    relaunch,
+)
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
 # forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
@@ -75,9 +84,9 @@ class Trainer:
     def __init__(self, cfg: RunConfig, max_steps: int | None = None):
         from data.batching import BatchStream, PairDataset
         from data.prepare import load_manifest
-        from parallel.engine import setup_distributed
-        from parallel.parallelize import build_engine
         from parallel.layout import Layout
+        from parallel.parallelize import build_engine
+        from runtime.distributed import setup_distributed
 
         signals.install_rank_handlers(cfg.train.stop_grace_seconds)
         set_collective_timeout(cfg.train.collective_timeout_seconds)
@@ -159,10 +168,10 @@ class Trainer:
 
     def start_source(self):
         """train.init_from's source when this run starts now (no checkpoint of its own to resume),
-        found by every rank alike and checked against the model (parallel/init_from.py); else None."""
+        found by every rank alike and checked against the model (checkpoint/init_from.py); else None."""
         if not self.cfg.train.init_from or manifest.has_checkpoints(self.checkpoints.ckpt_dir):
             return None
-        from parallel.checkpoints import CheckpointError
+        from checkpoint.checkpoints import CheckpointError
 
         try:
             return agreed_source(self.cfg.train.init_from, self.cfg.model, log=log0)

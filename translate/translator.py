@@ -2,7 +2,7 @@
 text out, used by `./run.sh translate`, `./run.sh eval` and the evaluation that ends a training run.
 
 A model is a consolidated model file (`./run.sh convert consolidate`) or a run directory, whose
-latest checkpoint is consolidated in memory (parallel/checkpoints.py).
+latest checkpoint is consolidated in memory (checkpoint/checkpoints.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from parallel import accelerator
+from runtime import accelerator
 
 CHUNK_LINES = 2000  # lines decoded per call: bounds memory on long inputs, keeps batches full
 
@@ -85,7 +85,7 @@ class Translator:
 
 
 def load_translator(source: str, tag: str | None = None) -> Translator:
-    from parallel.checkpoints import load_model
+    from checkpoint.checkpoints import load_model
 
     return Translator(load_model(source, tag))
 

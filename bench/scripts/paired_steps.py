@@ -6,7 +6,7 @@ The plain model of configs/SHAPE.yaml, 32 × (32 + 32) tokens, fp32, 1 thread, t
 `./run.sh bench model` (forward, loss, backward, clipping, fused AdamW). Each of N rounds runs
 one step under each setting, in alternating order: M_TRIM_THRESHOLD 128 KiB (glibc's default
 trimming; the mmap threshold frozen where glibc's adaptive one stands after warm-up) and 1 GiB
-(what parallel.accelerator.keep_freed_host_memory sets); per setting a settling step, then a
+(what runtime.accelerator.keep_freed_host_memory sets); per setting a settling step, then a
 timed one (CPU seconds) and its minor page faults.
 """
 import ctypes

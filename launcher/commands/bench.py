@@ -1,15 +1,16 @@
-"""./run.sh bench NAME [ARGS]: the benchmarks of bench/.
+"""./run.sh bench NAME [ARGS]: the benchmarks of bench/ (and the GPU check, gpucheck/).
 
-Each benchmark is one module of bench/ that declares itself at top level,
+Each benchmark is one module of those folders that declares itself at top level, as plain data,
 
-    BENCH = Bench(name="data", help="preparation and loader throughput", config="--config",
-                  paths=("--corpus", "--out"))
+    BENCH = dict(name="data", help="preparation and loader throughput", config="--config",
+                 paths=("--corpus", "--out"))
 
-and has an entry point (`main(argv) -> int`, or the function `entry` names); the modules are
-discovered, so adding a benchmark touches no other file. The declarations are read from the
-modules' source (literal values only), not imported: bench/ sits above the launcher
-(tests/test_imports.py) and some benchmarks load torch when imported, which ./run.sh does not pay
-for; the chosen benchmark's module is imported by name when it runs.
+(the fields of `Bench` below) and has an entry point (`main(argv) -> int`, or the function `entry`
+names); the modules are discovered, so adding a benchmark touches no other file. The declarations
+are read from the modules' source (literal values only), not imported: bench/ sits above the
+launcher (tests/test_imports.py), so a benchmark imports nothing of this command to declare itself,
+and some benchmarks load torch when imported, which ./run.sh does not pay for; the chosen
+benchmark's module is imported by name when it runs.
 
 Before a benchmark that reads a run config starts, its config gets the checks of the command it
 measures (one that `launches` prepares data and starts ranks: the checks of ./run.sh train),
@@ -31,14 +32,14 @@ from launcher.launch import ROOT
 from launcher.options import user_path
 from trainer.config import ConfigError
 
-PACKAGE = "bench"
-FOLDER = os.path.join(ROOT, PACKAGE)
+PACKAGES = {package: os.path.join(ROOT, package) for package in ("bench", "gpucheck")}
+"""The packages whose modules may declare a benchmark, and their folders."""
 SWITCHES = {"-h", "--help"}  # flags of every benchmark that take no value
 
 
 @dataclasses.dataclass(frozen=True)
 class Bench:
-    """What a benchmark module declares as `BENCH = Bench(...)` (literal values only)."""
+    """What a benchmark module declares as `BENCH = dict(...)` (literal values only)."""
 
     name: str
     """./run.sh bench NAME."""
@@ -70,7 +71,7 @@ class Bench:
 
 
 def declaration(path: str) -> Bench | None:
-    """The `BENCH = Bench(...)` a module's source makes at top level, or None."""
+    """The `BENCH = dict(...)` a module's source makes at top level, or None."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if "BENCH" not in text:
@@ -80,35 +81,40 @@ def declaration(path: str) -> Bench | None:
             continue
         where = f"{os.path.relpath(path, ROOT)}:{node.lineno}"
         call = node.value
-        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Bench"):
-            raise ValueError(f"{where}: BENCH must be Bench(...)")
+        if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "dict" and not call.args):
+            raise ValueError(f"{where}: BENCH must be dict(name=..., help=..., ...) (the fields of "
+                             "launcher/commands/bench.py Bench)")
         try:
-            return Bench(*[ast.literal_eval(a) for a in call.args],
-                         **{k.arg: ast.literal_eval(k.value) for k in call.keywords})
+            return Bench(**{k.arg: ast.literal_eval(k.value) for k in call.keywords})
         except ValueError:
-            raise ValueError(f"{where}: Bench(...) takes literal values only (./run.sh reads them without "
-                             "importing the module)") from None
+            raise ValueError(f"{where}: BENCH = dict(...) takes literal values only (./run.sh reads them "
+                             "without importing the module)") from None
+        except TypeError as e:
+            raise ValueError(f"{where}: BENCH = dict(...): {e}") from None
     return None
 
 
 def benches() -> dict[str, Bench]:
-    """Module name → its declaration, for every module of bench/ that declares a benchmark."""
-    return declared(FOLDER)
+    """Dotted module name → its declaration, for every module of PACKAGES that declares a benchmark."""
+    return declared(tuple(PACKAGES.items()))
 
 
 @functools.cache
-def declared(folder: str) -> dict[str, Bench]:
-    """Module name → its declaration, for every module of `folder` that declares a benchmark."""
+def declared(packages: tuple[tuple[str, str], ...]) -> dict[str, Bench]:
+    """Dotted module name → its declaration, for every module of the (package, folder) pairs that
+    declares a benchmark."""
     found, seen = {}, {}
-    for _, module, is_package in pkgutil.iter_modules([folder]):
-        bench = None if is_package else declaration(os.path.join(folder, f"{module}.py"))
-        if bench is None:
-            continue
-        other = seen.setdefault((bench.name, bench.gpu), module)
-        if other != module:
-            raise ValueError(f"{PACKAGE}/{other}.py and {PACKAGE}/{module}.py both declare bench {bench.name}"
-                             f"{' on GPUs' if bench.gpu else ''}")
-        found[module] = bench
+    for package, folder in packages:
+        for _, name, is_package in pkgutil.iter_modules([folder]):
+            bench = None if is_package else declaration(os.path.join(folder, f"{name}.py"))
+            if bench is None:
+                continue
+            module = f"{package}.{name}"
+            other = seen.setdefault((bench.name, bench.gpu), module)
+            if other != module:
+                raise ValueError(f"{other.replace('.', '/')}.py and {module.replace('.', '/')}.py both declare "
+                                 f"bench {bench.name}{' on GPUs' if bench.gpu else ''}")
+            found[module] = bench
     return found
 
 
@@ -119,7 +125,7 @@ def names() -> list[str]:
 def modules(name: str) -> list[str]:
     """The modules behind `bench NAME`, the one for CPUs first."""
     found = sorted((bench.gpu, module) for module, bench in benches().items() if bench.name == name)
-    return [f"{PACKAGE}.{module}" for _, module in found]
+    return [module for _, module in found]
 
 
 def serving(name: str, gpu: bool = False) -> tuple[str, Bench]:
@@ -142,7 +148,7 @@ def help_text() -> str:
 
 
 def __getattr__(name: str):
-    if name == "HELP":  # read when asked: importing this module for `Bench` reads no benchmark
+    if name == "HELP":  # read when asked: importing this module reads no benchmark
         return help_text()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -229,7 +235,7 @@ def resolved(cfg, source: str):
 def run(args: argparse.Namespace) -> int:
     gpu = False
     if len(modules(args.target)) > 1:  # one serves GPUs
-        from parallel import accelerator
+        from runtime import accelerator
 
         gpu = accelerator.gpu_available()
     module, bench = serving(args.target, gpu)
@@ -253,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
                         argv = [path, *argv] if where == 0 else [*argv, where, path]
         elif sets:
             configs = sorted({b.name for b in benches().values() if b.config is not None})
-            raise ConfigError(f"--set: {PACKAGE}.{module} reads no run config; --set applies to bench "
+            raise ConfigError(f"--set: {module} reads no run config; --set applies to bench "
                               f"{', '.join(configs)} (on CPUs)")
         # The benchmark, imported by name as it starts (nothing of bench/ is imported before).
-        return getattr(importlib.import_module(f"{PACKAGE}.{module}"), bench.entry)(argv)
+        return getattr(importlib.import_module(module), bench.entry)(argv)

@@ -1,6 +1,6 @@
 """./run.sh convert consolidate|average|reshard: one model file from a checkpoint, one model file
-averaging several checkpoints (parallel/average.py), or a checkpoint for another pipeline/data-parallel
-layout (see parallel/checkpoints.py for the formats)."""
+averaging several checkpoints (checkpoint/average.py), or a checkpoint for another pipeline/data-parallel
+layout (see checkpoint/checkpoints.py for the formats)."""
 from __future__ import annotations
 
 import argparse
@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from checkpoint.checkpoints import CheckpointError, consolidate, locate, reshard
     from trainer.config import check_run_config
-    from parallel.checkpoints import CheckpointError, consolidate, locate, reshard
 
     start = time.perf_counter()
     try:
@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _average(args: argparse.Namespace, start: float) -> int:
-    from parallel.average import average, select
-    from parallel.checkpoints import CheckpointError
+    from checkpoint.average import average, select
+    from checkpoint.checkpoints import CheckpointError
 
     chosen = args.last is not None or args.steps
     if chosen and len(args.sources) != 1:

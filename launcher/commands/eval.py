@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from checkpoint.checkpoints import CheckpointError
     from data.prepare import load_manifest
-    from parallel.checkpoints import CheckpointError
     from translate.evaluate import evaluate, load_sets
     from translate.translator import load_translator
 

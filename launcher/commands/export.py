@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # no weight-loading bars in the command's output
     # MarianTokenizer recommends sacremoses for a punctuation normaliser it never applies when encoding.
     warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
-    from parallel.checkpoints import CheckpointError, load_model
+    from checkpoint.checkpoints import CheckpointError, load_model
 
     start = time.perf_counter()
     torch.set_num_threads(1)

@@ -12,14 +12,21 @@ import yaml
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
-from trainer.config import ConfigError, load_config, to_dict
-from launcher.preflight import (check_device, check_directions, check_init_from, check_relaunch, check_resume,
-                                check_run_dir, end_run_here)
+from launcher.preflight import (
+    check_device,
+    check_directions,
+    check_init_from,
+    check_relaunch,
+    check_resume,
+    check_run_dir,
+    end_run_here,
+)
 from launcher.procs import die_with_parent_shell, supervise
-from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
-from parallel import accelerator
+from runtime import accelerator
+from trainer.config import ConfigError, load_config, to_dict
 from trainer.run_dir import BELOW, END_HERE, FINISHED, SUMMARY_NAME, record_ending
+from trainer.signals import PREEMPTED_EXIT_CODE
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
 
@@ -121,7 +128,7 @@ def resolved_config(cfg, source: str):
 def record_scores(run_dir: str, sentences: int) -> None:
     """The evaluation's BLEU/chrF (eval/eval.json) at the trained step, into the run's metrics
     (CSV: the mean over directions; TensorBoard: that and every direction) and train.log."""
-    from parallel import manifest
+    from checkpoint import manifest
     from trainer import metrics
     from trainer.progress import append_log
 

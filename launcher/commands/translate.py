@@ -47,8 +47,8 @@ def check_paths(input_path: str | None, output_path: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from parallel.checkpoints import CheckpointError
-    from parallel.manifest import replacing
+    from checkpoint.checkpoints import CheckpointError
+    from checkpoint.manifest import replacing
     from translate.translator import InputError, load_translator, threads, translate_stream, utf8_lines
 
     try:

@@ -11,13 +11,12 @@ import copy
 import json
 import os
 
-
 import torch
 
+from runtime.distributed import exit_rank, setup_distributed
+from tests.dist.common import fresh_run_dir, record_steps
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from parallel.engine import exit_rank, setup_distributed
-from tests.dist.common import fresh_run_dir, record_steps
 
 
 def run(cfg, precision: str, steps: int, name: str) -> dict:

@@ -16,15 +16,14 @@ import copy
 import json
 import os
 
-
 import torch
 
 from data.batching import eval_batches
 from launcher.cli import main as cli
+from runtime.distributed import exit_rank
+from tests.dist.common import record_steps
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from tests.dist.common import record_steps
-from parallel.engine import exit_rank
 
 
 def losses(trainer: Trainer, steps: int, save_at: int | None = None) -> list[float]:

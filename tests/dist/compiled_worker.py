@@ -17,7 +17,7 @@ import os
 
 from bench.ops_syncs import sync_counts
 from parallel import compiled
-from parallel.engine import exit_rank
+from runtime.distributed import exit_rank
 from tests.dist.common import dump_params, fresh_run_dir, record_steps, with_dropout, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer

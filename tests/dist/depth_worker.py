@@ -12,15 +12,14 @@ import argparse
 import json
 import time
 
-
 import torch
 
-from trainer.config import load_config
-from trainer.trainer import Trainer
-from tests.dist.common import dump_params, record_steps
 from model.norms import PostNormResidual
 from model.transformer import layer_plan
-from parallel.engine import exit_rank
+from runtime.distributed import exit_rank
+from tests.dist.common import dump_params, record_steps
+from trainer.config import load_config
+from trainer.trainer import Trainer
 
 RESIDUALS = ("self_attn_res", "cross_attn_res", "ffn_res")
 

@@ -16,16 +16,16 @@ import json
 import os
 import shutil
 
-
 import torch
 
 from launcher import worker
+from runtime.distributed import exit_rank
 from tests.dist.common import worker_args
 from trainer import trainer as train_mod
 from trainer.config import load_config
 from trainer.guard import DivergenceStop
 from trainer.trainer import Trainer
-from parallel.engine import exit_rank
+
 
 def barrier() -> None:
     torch.distributed.barrier()

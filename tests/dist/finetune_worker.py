@@ -18,7 +18,7 @@ import os
 import torch
 
 from launcher.cli import main as cli
-from parallel.engine import exit_rank
+from runtime.distributed import exit_rank
 from tests.dist.common import dump_params, record_steps, variant, worker_args, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer

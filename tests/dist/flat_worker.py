@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from parallel.engine import exit_rank, setup_distributed
 from parallel.optimizer import FlatOptimizer
+from runtime.distributed import exit_rank, setup_distributed
 from tests.dist.common import fresh_run_dir, record_steps, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
@@ -124,7 +124,7 @@ def main() -> None:
     out["resume"] = {"from": t.step, **record_steps(t, args.steps), "optimizer": type(t.engine.optimizer).__name__}
 
     if torch.distributed.get_rank() == 0:
-        from parallel.checkpoints import consolidate, reshard
+        from checkpoint.checkpoints import consolidate, reshard
 
         consolidated = consolidate(source, os.path.join(cfg.run_dir, "consolidated.pt"), f"step{args.steps}")
         package = torch.load(os.path.join(cfg.run_dir, "consolidated.pt"), weights_only=True)

@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from parallel.engine import exit_rank, setup_distributed
+from runtime.distributed import exit_rank, setup_distributed
 from tests.dist.common import write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer

@@ -9,9 +9,8 @@ import argparse
 import json
 import os
 
-from parallel.engine import exit_rank, setup_distributed
-from bench.ops_syncs import engine_ops_per_step
-from bench.ops_syncs import new_trainer, sync_counts
+from bench.ops_syncs import engine_ops_per_step, new_trainer, sync_counts
+from runtime.distributed import exit_rank, setup_distributed
 from trainer.config import load_config
 
 

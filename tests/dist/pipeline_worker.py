@@ -28,13 +28,12 @@ import io
 
 import torch
 
-
+from model.config import ModelConfig
+from parallel.pipeline import TranslationPipe
+from runtime.distributed import exit_rank, setup_distributed
+from tests.dist.common import dump_params, record_steps, train_and_resume, variant, with_dropout, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from model.config import ModelConfig
-from parallel.engine import exit_rank, setup_distributed
-from parallel.pipeline import TranslationPipe
-from tests.dist.common import dump_params, record_steps, train_and_resume, variant, with_dropout, write_result
 
 # Shapes whose partitions differ in kind: decoder-heavy, output-heavy, Pre-LN's final norms, wide.
 PARTITION_SHAPES = {

@@ -18,8 +18,9 @@ import os
 
 import torch
 
-from parallel import manifest
-from parallel.engine import exit_rank, inverse_sqrt
+from checkpoint import manifest
+from parallel.engine_config import inverse_sqrt
+from runtime.distributed import exit_rank
 from tests.dist.common import worker_args
 from trainer import signals
 from trainer.config import load_config

@@ -4,9 +4,8 @@ writes each one's per-step losses and clipped norms to `--out` (JSON by schedule
 stage its parameters to `--out`.<name>.stage<s>.tp0.pt."""
 from __future__ import annotations
 
-
-from parallel.engine import exit_rank, setup_distributed
 from parallel.schedules import SCHEDULES
+from runtime.distributed import exit_rank, setup_distributed
 from tests.dist.common import dump_params, record_steps, variant, worker_args, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer

@@ -15,14 +15,13 @@ import copy
 import os
 import shutil
 
-
 import torch
 
+from model.norms import BranchNormResidual
+from runtime.distributed import exit_rank, setup_distributed
+from tests.dist.common import record_steps, write_result
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from model.norms import BranchNormResidual
-from parallel.engine import exit_rank, setup_distributed
-from tests.dist.common import record_steps, write_result
 
 BRANCHNORM_T = 3
 

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import argparse
 
-
 import torch
 import torch.nn.functional as F
 
-from trainer.config import load_config
-from trainer.trainer import Trainer
 from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, smoothed_loss_sum
 from parallel.pipeline import plain_state_dict
 from parallel.tensor import shard_dim
+from runtime.distributed import exit_rank
 from tests.dist.common import record_steps, train_and_resume, variant, with_dropout, write_result
-from parallel.engine import exit_rank
+from trainer.config import load_config
+from trainer.trainer import Trainer
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

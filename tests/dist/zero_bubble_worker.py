@@ -26,14 +26,12 @@ import copy
 import json
 import os
 
-
 import torch
 
+from runtime.distributed import exit_rank, setup_distributed
+from tests.dist.common import dump_params, fresh_run_dir, record_steps
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from parallel.engine import exit_rank, setup_distributed
-from tests.dist.common import dump_params, fresh_run_dir, record_steps
-
 
 # Costs given to the zb_filled scenarios: at pp = 2 those measured on 6L-6L d=512 (the lean
 # filled order, the first stage deferring 1/8 of its W), at pp = 3 W-cheap ones (the filled order).

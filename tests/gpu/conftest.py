@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel import accelerator
+from runtime import accelerator
 
 _skipped: list[str] = []
 

@@ -16,15 +16,14 @@ import copy
 import json
 import os
 
-
 import torch
 
+from parallel.pipeline import plain_state_dict
+from runtime import accelerator
+from runtime.distributed import exit_rank, setup_distributed
+from tests.dist.common import fresh_run_dir, record_steps
 from trainer.config import load_config
 from trainer.trainer import Trainer
-from parallel import accelerator
-from parallel.engine import exit_rank, setup_distributed
-from parallel.pipeline import plain_state_dict
-from tests.dist.common import fresh_run_dir, record_steps
 
 FP16_START_SCALE = 2.0**24
 FP16_STEPS = 20

@@ -24,11 +24,11 @@ import sys
 import pytest
 import torch
 
-from trainer.config import load_config
-from parallel import accelerator
+from bench.gpu_results import read_jsonl
+from runtime import accelerator
 from tests.conftest import ROOT, launch, write_run_config
 from tests.reference import reference_run
-from bench.gpu_results import read_jsonl
+from trainer.config import load_config
 
 pytestmark = pytest.mark.gpu
 
@@ -110,9 +110,9 @@ def test_checkpoint_resume_reproduces_losses(gpu_run, precision):
 
 
 def test_consolidate_and_beam_search_on_the_gpu(gpu_run, tmp_path):
-    from translate.translator import Translator
+    from checkpoint.checkpoints import consolidate, load_model
     from model.decoding import DecodeOptions, generate
-    from parallel.checkpoints import consolidate, load_model
+    from translate.translator import Translator
 
     _, _, config, _ = gpu_run
     run_dir = load_config(config).run_dir + "-fp32"

@@ -21,11 +21,19 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoint import manifest
+from checkpoint.checkpoints import (
+    CONSOLIDATED_FORMAT,
+    MODEL_EXPECTED,
+    CheckpointError,
+    checkpoint_meta,
+    load_file,
+    locate,
+    model_config,
+    pipeline_state,
+)
 from model.config import ModelConfig
 from model.transformer import EncoderDecoder
-from parallel import manifest
-from parallel.checkpoints import (CONSOLIDATED_FORMAT, MODEL_EXPECTED, CheckpointError, checkpoint_meta, load_file, locate,
-                                  model_config, pipeline_state)
 from parallel.pipeline import plain_name
 from schema.fields import PATH_RULE
 

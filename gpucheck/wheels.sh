@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # What the GPU machine's image lacks, as prebuilt wheels in .whl/ (ignored by git), for
-# bench/scripts/gpu_check.sh to install in seconds there (pip --no-index --no-deps; nothing is built
+# gpucheck/gpu_check.sh to install in seconds there (pip --no-index --no-deps; nothing is built
 # or downloaded on the device). Run on a machine that reaches PyPI, from the repository root:
 #
-#   bench/scripts/gpu_wheels.sh [PYTHON_VERSION]      (default 3.12, the GPU image's)
+#   gpucheck/wheels.sh [PYTHON_VERSION]      (default 3.12, the GPU image's)
 #
-# What it builds and fetches is bench/scripts/gpu_packages.txt's list: `built` ones (DeepSpeed
+# What it builds and fetches is gpucheck/packages.txt's list: `built` ones (DeepSpeed
 # 0.19.8, published as a source archive only) as pure-Python wheels, their CUDA ops left out
 # (DS_BUILD_OPS=0: none is used; DeepSpeed would JIT-build one only if asked), by the repository's
 # .venv (its setup.py imports torch); `wheel` ones fetched for CPython 3.12 on manylinux x86_64, at
@@ -15,12 +15,12 @@
 # above 48 MiB.
 set -euo pipefail
 PYV=${1:-3.12}
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 VENV=${DEEPNET_VENV:-.venv}
 rm -rf .whl
 mkdir -p .whl
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-PACKAGES=bench/scripts/gpu_packages.txt
+PACKAGES=gpucheck/packages.txt
 listed() { awk -v where="$1" '!/^#/ && NF == 3 && $3 == where {print $1}' "$PACKAGES"; }
 pinned() {
   grep -m1 -iE "^$1==" requirements.txt \

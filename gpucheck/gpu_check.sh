@@ -2,20 +2,20 @@
 # The GPU check: what the trainer does on one GPU, at most 7 minutes on an H100, every result kept
 # the moment it is measured (docs/gpu-check.md).
 #
-#   bench/scripts/gpu_check.sh OUT [--only a,b] [--skip a,b] [--budget S]   on a machine with a GPU
-#   bench/scripts/gpu_check.sh OUT --rehearse                              on this machine's CPU, tiny shapes
+#   gpucheck/gpu_check.sh OUT [--only a,b] [--skip a,b] [--budget S]   on a machine with a GPU
+#   gpucheck/gpu_check.sh OUT --rehearse                              on this machine's CPU, tiny shapes
 #
 # From the repository root. On the GPU machine the image's python3 is used as it is (its torch, never
 # installed here); what the image lacks is installed first from prebuilt wheels carried in .whl/
-# (bench/scripts/gpu_wheels.sh makes them: a pure-Python DeepSpeed and a few small packages; pip
-# --no-index --no-deps, seconds). Then bench/gpu_check.py runs the parts (its docstring lists them),
+# (gpucheck/wheels.sh makes them: a pure-Python DeepSpeed and a few small packages; pip
+# --no-index --no-deps, seconds). Then gpucheck/check.py runs the parts (its docstring lists them),
 # each under `timeout -k`, inside one budget, and writes OUT: summary.md, versions.txt,
 # results.jsonl, train.json, ops.json, costs.json, replay.md, logs.txt (at most 8 files, what a
 # device run hands back).
 set -uo pipefail
-OUT=${1:?usage: bench/scripts/gpu_check.sh OUT [--rehearse] [--only PARTS] [--skip PARTS] [--budget SECONDS]}
+OUT=${1:?usage: gpucheck/gpu_check.sh OUT [--rehearse] [--only PARTS] [--skip PARTS] [--budget SECONDS]}
 shift
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 case " $* " in
@@ -33,4 +33,4 @@ case " $* " in
     fi
     ;;
 esac
-exec "$PY" -m bench.gpu_check "$OUT" "$@" --spent "$SECONDS"  # the budget counts the install
+exec "$PY" -m gpucheck.check "$OUT" "$@" --spent "$SECONDS"  # the budget counts the install

@@ -1,4 +1,4 @@
-"""summary.md of the GPU check (bench/gpu_check.py): what ran, what was cut, the command that runs
+"""summary.md of the GPU check (gpucheck/check.py): what ran, what was cut, the command that runs
 just the missing parts, the first number and the numbers against the goals (docs/gpu-check.md
 says how to read them). Standard library only, apart from planner/devices.py's estimate."""
 from __future__ import annotations
@@ -97,7 +97,7 @@ def summary(header: dict, outcomes: list[dict], made: dict, order: list[str]) ->
     done = sum(o.get("seconds", 0) for o in outcomes)
     scale = f", limits × {header['scale']}" if rehearsal else ""
     lines = [f"# GPU check: {header['mode']}, {header['started']}", "",
-             f"Command: `bench/scripts/gpu_check.sh {' '.join(header['argv'])}`; budget {header['budget']:.0f} s"
+             f"Command: `gpucheck/gpu_check.sh {' '.join(header['argv'])}`; budget {header['budget']:.0f} s"
              f"{scale}; "
              f"{len(outcomes)} of {len(order)} parts decided, {done:.0f} s in parts.", "",
              "## First number", "", *first_number(train, rehearsal), "", "## Parts", "",
@@ -116,8 +116,8 @@ def summary(header: dict, outcomes: list[dict], made: dict, order: list[str]) ->
         missing.insert(missing.index("replay"), "costs")
     if missing:
         lines += ["", f"Not complete: {', '.join(missing)}. Run just those (into another folder; "
-                      "`python -m bench.gpu_check OUT --merge A B` joins the two):", "",
-                  f"    bench/scripts/gpu_check.sh OUT2 --only {','.join(missing)}"
+                      "`python -m gpucheck.check OUT --merge A B` joins the two):", "",
+                  f"    gpucheck/gpu_check.sh OUT2 --only {','.join(missing)}"
                   f"{' --rehearse' if rehearsal else ''}"]
     else:
         lines += ["", "Every part completed."]

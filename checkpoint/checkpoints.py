@@ -14,7 +14,7 @@ Consolidated file (`torch.save` of a dict, read back with weights_only=True):
     spm_model     bytes of the joint SentencePiece model
     languages, directions, tags    from the data manifest
     source        checkpoint path, tag, step and layout it came from (an average: also `averaged`,
-                  each checkpoint and step; parallel/average.py)
+                  each checkpoint and step; checkpoint/average.py)
     init_from     where the run started from (train.init_from), or None
 
 Resharding goes through DeepSpeed's universal checkpoint (`deepspeed.checkpoint.ds_to_universal`),
@@ -36,12 +36,12 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from checkpoint.manifest import replacing
 from model.config import ModelConfig
 from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, layer_plan
-from parallel.accelerator import HOST
-from parallel.manifest import replacing
 from parallel.pipeline import plain_state_dict
+from runtime.accelerator import HOST
 
 CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
 UNIVERSAL_LATEST = "latest_universal"  # the file DeepSpeed reads when load_universal is set
@@ -68,9 +68,9 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
         return os.path.dirname(os.path.dirname(path)), path, os.path.basename(path)
     ckpt_dir = path if os.path.basename(path) == "checkpoints" else os.path.join(path, "checkpoints")
     if tag is None:
-        # The newest checkpoint with a manifest (parallel/manifest.py) wins over what `latest` says;
+        # The newest checkpoint with a manifest (checkpoint/manifest.py) wins over what `latest` says;
         # without any, `latest` (an older version's checkpoint) or a universal checkpoint.
-        from parallel.manifest import newest_committed, read_latest
+        from checkpoint.manifest import newest_committed, read_latest
 
         tag = newest_committed(ckpt_dir) or read_latest(ckpt_dir)[0]
         if tag is None and os.path.exists(os.path.join(ckpt_dir, UNIVERSAL_LATEST)):
@@ -207,7 +207,7 @@ def consolidated_dict(source: str, tag: str | None = None) -> dict:
         "tags": manifest["tags"],
         "source": {"checkpoint": tag_dir, "tag": tag, "step": int(meta.get("step", meta.get("global_steps", 0))),
                    "pipeline_stages": parallel.get("pipeline_stages"), "data_parallel": parallel.get("data_parallel")},
-        "init_from": meta.get("init_from"),  # where a fine-tuned run started (parallel/init_from.py)
+        "init_from": meta.get("init_from"),  # where a fine-tuned run started (checkpoint/init_from.py)
     }
 
 

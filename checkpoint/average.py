@@ -1,7 +1,7 @@
 """Checkpoint averaging: one consolidated model whose weights are the element-wise mean of several
 checkpoints' (fairseq's scripts/average_checkpoints.py; NMT practice averages the last few
 checkpoints before evaluation). Each checkpoint is consolidated in turn (any pp × tp × dp layout;
-parallel/checkpoints.py) and added into one fp32 sum, so memory holds two models whatever their
+checkpoint/checkpoints.py) and added into one fp32 sum, so memory holds two models whatever their
 number. Checkpoints of different models (any model key but the dropouts and label smoothing) or
 with different SentencePiece models are refused, naming the first difference."""
 from __future__ import annotations
@@ -10,12 +10,11 @@ import os
 
 import torch
 
+from checkpoint import manifest
+from checkpoint.checkpoints import CheckpointError, consolidated_dict
+from checkpoint.init_from import open_model_file
+from checkpoint.manifest import replacing
 from model.config import TRAINING_ONLY
-from parallel import manifest
-from parallel.checkpoints import CheckpointError, consolidated_dict
-from parallel.init_from import open_model_file
-from parallel.manifest import replacing
-
 
 
 def select(run_dir: str, last: int | None = None, steps: list[int] | None = None) -> list[str]:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 
 def seed_dropout(seed: int, stage: int, replica: int) -> None:

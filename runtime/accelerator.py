@@ -98,7 +98,7 @@ def backend() -> str:
 
 def collective_fault_env(device: str | None = None) -> dict[str, str]:
     """Environment under which a collective fails, instead of hanging, once a rank is lost, on
-    `device` (default: this process's); set before the process group exists (parallel/engine.py
+    `device` (default: this process's); set before the process group exists (runtime/distributed.py
     setup_distributed, and the SLURM job script). The timeout itself is the process group's
     (train.collective_timeout_seconds: init_process_group and every new_group, also DeepSpeed's).
 
@@ -205,13 +205,12 @@ def memory_allocated() -> int:
     return torch.cuda.memory_allocated()
 
 
-def supports(precision: str) -> bool:
-    """Whether the accelerator trains in `precision` (fp32 | bf16 | fp16); DeepSpeed's own answer."""
+def supports(dtype) -> bool:
+    """Whether the accelerator trains in `dtype` (a torch dtype: parallel/precision.py's
+    `Precision.dtype`); DeepSpeed's own answer."""
     from deepspeed.accelerator import get_accelerator
 
-    from parallel.precision import precision_of
-
-    return precision_of(precision).dtype in get_accelerator().supported_dtypes()
+    return dtype in get_accelerator().supported_dtypes()
 
 
 def versions() -> dict[str, str]:

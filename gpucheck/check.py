@@ -1,8 +1,8 @@
 """The GPU check: every part under a hard time limit inside one budget, each result kept as it comes.
 
-    bench/scripts/gpu_check.sh OUT [--only a,b] [--skip a,b] [--budget S]   (the carried wheels first)
+    gpucheck/gpu_check.sh OUT [--only a,b] [--skip a,b] [--budget S]   (the carried wheels first)
     ./run.sh bench gpu-check OUT [--rehearse] [--only a,b] [--skip a,b] [--budget S] [--scale X]
-    python -m bench.gpu_check OUT --merge A B                                 (a run and its rerun)
+    python -m gpucheck.check OUT --merge A B                                 (a run and its rerun)
 
 Each part runs in a process session of its own (docs/gpu-check.md says how to run and read it).
 
@@ -55,7 +55,7 @@ import time
 import uuid
 
 from bench import gpu_results as results
-from parallel.accelerator import HOST
+from runtime.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MADE = ("summary.md", "versions.txt", "train.json", "ops.json", "costs.json", "replay.md")
@@ -95,8 +95,8 @@ TINY = ("--set", "model.encoder_layers=2", "--set", "model.decoder_layers=2", "-
 OPS = ("{py}", "-m", "bench.ops", "--out", "{work}/ops", "--jsonl", "{jsonl}")
 STALL = ("--stall-after", "1")
 PARTS = [
-    Part("versions", ("{py}", "-m", "bench.gpu_check", "--versions", "{out}/versions.txt"),
-         ("{py}", "-m", "bench.gpu_check", "--versions", "{out}/versions.txt"), 45, 30),
+    Part("versions", ("{py}", "-m", "gpucheck.check", "--versions", "{out}/versions.txt"),
+         ("{py}", "-m", "gpucheck.check", "--versions", "{out}/versions.txt"), 45, 30),
     Part("layers", (*GPU_TRAIN, "--worker", "layers-d1024:compiled"), (*CPU_TRAIN, "--worker", "tiny:compiled"),
          170, 90, STALL),
     # the real Trainer's step (data, pinned copies, guard, logs) on a small corpus, its layers eager:
@@ -156,7 +156,7 @@ def versions(path: str) -> None:
             lines.append(f"{dist} MISSING")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    from parallel import accelerator
+    from runtime import accelerator
 
     if os.environ.get("DS_ACCELERATOR") == HOST:
         lines.append(f"device: {HOST}")
@@ -264,7 +264,7 @@ def assemble(out: str, jsonl: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench/scripts/gpu_check.sh", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="gpucheck/gpu_check.sh", description=__doc__.splitlines()[0])
     parser.add_argument("out", help="the folder that comes back (at most 8 files)")
     parser.add_argument("--rehearse", action="store_true", help="every part on this machine's CPU, tiny shapes")
     parser.add_argument("--only", help=f"comma-separated parts to run (of {', '.join(NAMES)})")
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.versions:
         versions(args.out)
         return 0
-    from bench.gpu_summary import summary
+    from gpucheck.summary import summary
 
     if args.merge:
         return merge(args.out, args.merge, summary)
@@ -405,12 +405,9 @@ def _write_outputs(out, jsonl, header, outcomes, logs, chosen, summary) -> None:
     os.replace(tmp, os.path.join(out, "summary.md"))
 
 
-# What ./run.sh bench reads (launcher/commands/bench.py): `./run.sh bench gpu-check OUT [...]` runs the
-# parts with this python as it is (bench/scripts/gpu_check.sh installs the carried wheels first).
-from launcher.commands.bench import Bench  # noqa: E402
-
-BENCH = Bench(name="gpu-check", help="the GPU check: every part under a hard limit inside one budget, each result "
-              "kept as it comes (--rehearse: on this CPU, tiny shapes)", switches=("--rehearse",))
+# What ./run.sh bench reads from this source (launcher/commands/bench.py).
+BENCH = dict(name="gpu-check", help="the GPU check: every part under a hard limit inside one budget, each result "
+             "kept as it comes (--rehearse: on this CPU, tiny shapes)", switches=("--rehearse",))
 
 
 if __name__ == "__main__":
