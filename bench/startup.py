@@ -7,7 +7,7 @@ imports a rank pays, the cost-model partition of the whole plan (every rank comp
 stage's layers built from their plan specs with the pipeline's init seeds, then one forward and
 backward of a micro-batch of `--batch` × (`--src` + `--tgt`) tokens received as the stage
 message, with activation checkpointing per layer as `parallel.activation_checkpoint_interval`
-says, and one fused AdamW step over the stage's parameters. Printed per phase: wall and CPU
+says, and one step of the engine's client AdamW (fused) over the stage's parameters. Printed per phase: wall and CPU
 seconds (this process), and the peak RSS. Not included: process-group set-up and DeepSpeed's
 engine initialisation, which need the other ranks (the engine's own start-up work is the
 partition, timed here, and ZeRO's flattening of the stage's parameters, one copy of them).
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed  # noqa: F401  (every rank imports it; counted with the other imports)
     from trainer.config import load_config
     from model.transformer import layer_plan
-    from parallel.pipeline import layer_costs, layer_specs, stage_flow, stage_message
+    from parallel.engine_config import adamw
+    from parallel.pipeline import CHECKPOINTABLE, layer_costs, layer_specs, stage_flow, stage_message
     from parallel.partition import partition_balanced
 
     torch.set_num_threads(args.threads)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in layers.parameters())
     mark(f"build stage {args.stage}: plan layers {lo}-{hi - 1}, {n_params / 1e6:.0f}M parameters")
 
-    optimizer = torch.optim.AdamW(layers.parameters(), lr=cfg.train.lr, fused=True)
+    optimizer = adamw(layers.parameters(), cfg.train)  # the engine's client optimizer (parallelize, step 5)
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, model_cfg.vocab_size, (args.batch, args.src), generator=generator)
     tgt_in = torch.randint(4, model_cfg.vocab_size, (args.batch, args.tgt), generator=generator)
@@ -97,14 +98,25 @@ def main(argv: list[str] | None = None) -> int:
         h = torch.randn(args.batch, args.src + args.tgt, model_cfg.d_model, generator=generator, requires_grad=True)
         flow = stage_flow(h, src, tgt_in, model_cfg.pad_id)
     interval = cfg.parallel.activation_checkpoint_interval
-    for spec, layer in zip(specs, layers):
-        forward = getattr(spec, "forward_fn", None)  # the tied output layer's logits
-        if forward is not None:
-            flow = forward(layer, flow)
-        elif interval > 0 and type(layer).__name__ in ("EncoderPipe", "DecoderPipe"):
-            flow = torch.utils.checkpoint.checkpoint(layer, flow, use_reentrant=False)
+
+    def run(start: int, end: int):
+        def forward(x):
+            for spec, layer in zip(specs[start:end], layers[start:end]):
+                call = getattr(spec, "forward_fn", None)  # the tied output layer's logits
+                x = call(layer, x) if call is not None else layer(x)
+            return x
+        return forward
+
+    # Activation checkpointing as the stage's PipelineModule applies it (parallelize, step 2):
+    # groups of `interval` layers, non-reentrant, a group recomputed only when all its layers are of
+    # parallel.pipeline's CHECKPOINTABLE kinds; without it, one pass over every layer.
+    for start in range(0, len(layers), interval or len(layers)):
+        end = min(start + (interval or len(layers)), len(layers))
+        kinds = {type(layer).__name__ for layer in layers[start:end]}
+        if interval and kinds <= set(CHECKPOINTABLE):
+            flow = torch.utils.checkpoint.checkpoint(run(start, end), flow, use_reentrant=False)
         else:
-            flow = layer(flow)
+            flow = run(start, end)(flow)
     out = stage_message(flow)[0] if hi < len(plan) else flow  # h, or the last stage's logits
     out.backward(torch.randn(out.shape, generator=generator))
     mark(f"first forward + backward ({args.batch}×({args.src}+{args.tgt}) tokens, checkpoint interval {interval})")

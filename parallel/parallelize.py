@@ -21,7 +21,9 @@ No other module makes a stage parallel: `build_engine` builds the plain stage an
 trainer, the engine benchmarks and the tests call `build_engine`. The benchmarks of bare layers
 (bench/model.py, bench/ops.py, bench/zb_costs.py) apply steps 3 and 4 to a layer outside any stage
 with the same functions (`compile_layers`, `split_weight_gradients`), to measure what the stage's
-layers get.
+layers get; bench/startup.py, which builds one stage's layers without the other ranks, groups
+them for step 2 as the stage does (parallel/pipeline.py CHECKPOINTABLE) and steps the client
+optimizer of step 5 (`adamw`).
 """
 from __future__ import annotations
 

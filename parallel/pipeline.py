@@ -82,6 +82,11 @@ def output_states(module: EmbedPipe, inputs: tuple) -> torch.Tensor:
     return tie_output_weight(inputs[1], module.embed.weight)
 
 
+CHECKPOINTABLE = ("EncoderPipe", "DecoderPipe")
+"""The layer kinds activation checkpointing recomputes (DeepSpeed's `checkpointable_layers`: a group
+of `parallel.activation_checkpoint_interval` layers is recomputed when all of them are of these)."""
+
+
 class EncoderPipe(nn.Module):
     def __init__(self, cfg: ModelConfig, init_seed: int, index: int = 0, kind: str = "encoder"):
         super().__init__()
@@ -166,7 +171,7 @@ class TranslationPipe(PipelineModule):
             loss_fn=loss_fn,
             topology=topology,
             partition_method=partition_method,
-            checkpointable_layers=["EncoderPipe", "DecoderPipe"],
+            checkpointable_layers=list(CHECKPOINTABLE),
             # Not DeepSpeed's seed_layers: it reseeds every layer in forward from its index within
             # the checkpointed chunk, so with activation checkpointing all layers of a micro-batch
             # drew the same dropout masks. Init seeds are set by the specs; dropout uses each
