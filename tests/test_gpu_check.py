@@ -29,7 +29,7 @@ STALL_LIMIT = 20
 def rehearsal(tmp_path_factory):
     out = tmp_path_factory.mktemp("check") / "out"
     start = time.monotonic()
-    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "scripts", "gpu_check.sh"), str(out), "--rehearse",
+    proc = subprocess.run(["bash", os.path.join(ROOT, "gpucheck", "gpu_check.sh"), str(out), "--rehearse",
                            "--stall", "eager", "--limit", f"eager={STALL_LIMIT}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -84,7 +84,7 @@ def test_the_counts_and_costs_come_back(rehearsal):
 
 
 def test_one_package_list_for_the_wheels_and_the_versions(rehearsal):
-    """gpucheck/packages.txt is the one list: what gpu_wheels.sh builds or fetches (at the
+    """gpucheck/packages.txt is the one list: what wheels.sh builds or fetches (at the
     pins of requirements.txt, which this environment has) and what versions.txt reports."""
     import importlib.util
     from importlib import metadata
