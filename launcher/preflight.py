@@ -44,19 +44,19 @@ def check_device(cfg: RunConfig, where: str) -> None:
     from parallel.precision import PRECISIONS, precision_of
 
     accelerator = get_accelerator()
-    p = cfg.parallel
-    # A lower bound: fp32 weights and gradients, Adam's two moments sharded over the replicas
-    # by ZeRO-1, an even split over stages and tensor-parallel ranks; activations not counted.
-    need = parameters(cfg) * (8 + 8 / p.data_parallel) / (p.pipeline_stages * p.tensor_parallel)
+    p, precision = cfg.parallel, precision_of(cfg.parallel.precision)
+    # A lower bound: the weights and the gradient buffer, the master copy and Adam's two moments
+    # sharded over the replicas by ZeRO-1 (the precision's bytes per parameter), an even split over
+    # stages and tensor-parallel ranks; activations not counted.
+    state = precision.state_bytes()
+    need = parameters(cfg) * (state["kept"] + state["kept_dp"] / p.data_parallel) / (p.pipeline_stages * p.tensor_parallel)
     have = accelerator.total_memory()
     if need > have:
         raise ConfigError(f"{where}: the model has {parameters(cfg):,} parameters, at least {need / 2**30:,.1f} GiB "
                           f"of training state per rank, more than the {have / 2**30:,.1f} GiB of this "
                           f"{accelerator.device_name()} accelerator; make it smaller (model.d_model, "
                           "model.*_layers, data.vocab_size) or raise parallel.pipeline_stages / tensor_parallel")
-    if not precision_of(cfg.parallel.precision).low:
-        return
-    if precision_of(cfg.parallel.precision).dtype not in accelerator.supported_dtypes():
+    if precision.dtype not in accelerator.supported_dtypes():
         usable = ", ".join(name for name, p in PRECISIONS.items() if p.dtype in accelerator.supported_dtypes())
         raise ConfigError(f"{where}: parallel.precision={cfg.parallel.precision} is not supported by this "
                           f"{accelerator.device_name()} accelerator; use {usable}")

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from parallel.precision import PRECISIONS
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from schema.fields import NonNegative, Positive, Range, Rule
 
@@ -25,6 +26,9 @@ def _partition_method_ok(method: str) -> bool:
 
 ScheduleName = Annotated[str, Rule(lambda v: v in SCHEDULES, f"must be one of {', '.join(SCHEDULES)} "
                                   "(parallel/schedules.py)")]
+
+PrecisionName = Annotated[str, Rule(lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)} "
+                                    "(parallel/precision.py)")]
 
 PartitionMethod = Annotated[str, Rule(_partition_method_ok, "must be cost, parameters, uniform or type:REGEX "
                                       "(a valid regular expression)")]
@@ -49,8 +53,10 @@ class ParallelConfig:
     process's global gradient norm at any pp × tp × dp; only stage 1 checkpoints can be resharded."""
     activation_checkpoint_interval: NonNegative = 0
     """Recompute activations every this many layers in backward (0 = off)."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """fp32 | bf16 | fp16 (bf16 on GPUs; on CPUs without bf16 instructions it is ~3× slower)."""
+    precision: PrecisionName = "fp32"
+    """The weights', activations' and stage messages' dtype, with fp32 master weights, gradient
+    accumulation and Adam moments in every precision (parallel/precision.py): bf16 on GPUs (fp16
+    on V100s, with dynamic loss scaling); on CPUs fp32 (bf16 without bf16 instructions is ~3× slower)."""
     partition_method: PartitionMethod = "cost"
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""

@@ -27,8 +27,8 @@ DeepSpeed's bf16 ones). What it changes is the work per micro-batch and per step
 * Clipping and fp16's unscaling: one `mul_` per flat group by min(1, c / (‖g‖ + 1e-6)) / scale
   (DeepSpeed's coefficient expression; × 1.0 is exact, so multiplying unconditionally equals its
   `if coef < 1`).
-* fp16: DeepSpeed's loss scaler (`CreateLossScaler`, dynamic with the config's window and
-  hysteresis). The engine scales the loss; an overflow is one flag per step, a non-finite scaled
+* fp16 (a precision with `loss_scaling`): DeepSpeed's dynamic loss scaler (`DynamicLossScaler`,
+  with the config's window and hysteresis). The engine scales the loss; an overflow is one flag per step, a non-finite scaled
   norm (the norm is all-reduced over the stages and the gradients over the replicas, so every rank
   sees the same): the step is skipped, the engine counts it, the scaler lowers the scale.
 * fp32: the master partition is the module's flat weight partition itself (the same memory), so
@@ -54,7 +54,7 @@ from deepspeed import comm as dist
 from deepspeed.moe.utils import is_moe_param
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.constants import PIPE_REPLICATED
-from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 from deepspeed.runtime.utils import all_gather_dp_groups, is_model_parallel_parameter
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 from torch._utils import _flatten_dense_tensors
@@ -287,18 +287,19 @@ def build(engine, client_optimizer) -> FlatOptimizer:
     The master partitions span the data-parallel group at ZeRO stage 1 (DeepSpeed's sequence
     data-parallel group, as for its BF16_Optimizer) and this rank alone at stage 0: each replica
     then steps every weight and gathers nothing."""
-    precision = getattr(engine.module, "precision", None)  # the record parallel/parallelize.py gives the stage
-    dtype = precision.dtype if precision is not None else (
-        torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+    precision = engine.module.precision  # the record parallel/parallelize.py gives the stage
+    if precision.grad_dtype != torch.float32 or precision.master_dtype != torch.float32:
+        raise ValueError(f"parallel.precision={precision.name}: FlatOptimizer accumulates gradients and keeps "
+                         "master weights and Adam's moments in fp32 only")
     group = engine.seq_data_parallel_group
     if engine.zero_optimization_stage() == 0 and dist.get_world_size(group=group) > 1:
         group = torch.distributed.new_group([dist.get_rank()], use_local_synchronization=True)
-    scaler = None
-    if dtype == torch.float16:
-        scaler = CreateLossScaler(dtype=torch.float16, static_loss_scale=engine.loss_scale(),
-                                  dynamic_scaling=engine.dynamic_loss_scale(),
-                                  dynamic_loss_args=engine.dynamic_loss_scale_args())
-    return FlatOptimizer(client_optimizer, engine.param_names, dtype=dtype, mpu=engine.mpu,
+    # The record's dynamic loss scaling, whatever its dtype (DeepSpeed's CreateLossScaler makes a
+    # dynamic scaler for fp16 only): from 2^16 with DeepSpeed's window and hysteresis (its fp16
+    # section, which parallel/precision.py fills for every precision).
+    scaler = DynamicLossScaler(dtype=precision.dtype, **engine.dynamic_loss_scale_args()) \
+        if precision.loss_scaling else None
+    return FlatOptimizer(client_optimizer, engine.param_names, dtype=precision.dtype, mpu=engine.mpu,
                          clip_grad=engine.gradient_clipping(), partition_group=group,
                          allgather_bucket_size=engine.zero_allgather_bucket_size(), loss_scaler=scaler)
 

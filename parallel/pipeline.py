@@ -41,6 +41,7 @@ from model.transformer import build_layer, layer_plan
 from model.flops import layer_costs
 from parallel.compiled import run_layer
 from parallel.partition import stage_bounds
+from parallel.precision import PRECISIONS, Precision
 from parallel.loss import tie_output_weight, tied_output_loss_sum
 from parallel.tensor import TensorParallel
 
@@ -145,6 +146,10 @@ class TranslationPipe(PipelineModule):
     """PipelineModule whose layers are partitioned by parallel/partition.py's `stage_bounds`
     (partition_method='cost'): model/flops.py's layer costs, balanced."""
 
+    precision: Precision = PRECISIONS["fp32"]
+    """The stage's precision record: fp32 as built; parallel/parallelize.py gives it the run's, which
+    the engine casts the stage to and its messages travel in."""
+
     def __init__(self, cfg: ModelConfig, *, topology, seed: int, partition_method: str = "cost"):
         """This rank's stage of the plain model (no parallelism inside: parallel/parallelize.py
         applies tensor parallelism, recomputation, compilation and the engine)."""
@@ -193,8 +198,7 @@ class TranslationPipe(PipelineModule):
         """(shape, dtype) of each tensor of the message between stages (the module docstring) for a
         micro-batch of `src_shape` source and `tgt_shape` target-input tokens."""
         (b, s), (_, t) = src_shape, tgt_shape
-        dtype = next(self.parameters()).dtype
-        return [((b, s + t, self._cfg.d_model), dtype), ((b, s), torch.int64), ((b, t), torch.int64)]
+        return [((b, s + t, self._cfg.d_model), self.precision.dtype), ((b, s), torch.int64), ((b, t), torch.int64)]
 
     def train(self, mode: bool = True):
         """`nn.Module.train`, skipping the walk over every submodule when this module last set them

@@ -2,17 +2,14 @@
 
 Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer configures it:
 
-* Parameters, gradients and optimizer state (`STATE_BYTES`, per parameter of the stage's shard).
-  Two moments compete for the peak: forward/backward (weights, the optimizer state kept between
-  steps, activations, and the gradients — which the optimizer step frees, so the first
-  micro-batch of a step runs without them) and the optimizer step (plus the flattened gradient
-  copies and Adam's temporaries). The fp32 figures were measured on CPU (a timeline of RSS per pipeline
-  instruction: 20 B/param after backward, +4 at ReduceGrads, +4 in the optimizer step, 28 B/param
-  at dp = 1 for 2–46M-parameter models); bf16 and fp16 follow the code of BF16_Optimizer and
-  DeepSpeedZeroOptimizer.
-  ZeRO-1 divides the fp32 master copy, Adam's moments and the flat gradient partition by dp;
-  with one replica in fp32 (LeanZeroOptimizer) it keeps what the client AdamW without ZeRO keeps,
-  except that its flat gradient buffer is never freed.
+* Parameters, gradients and optimizer state, per parameter of the stage's shard, from the
+  precision's record (parallel/precision.py `Precision.state_bytes`) for FlatOptimizer, the
+  optimizer of every precision (parallel/optimizer.py): the weights and the flat fp32 gradient
+  buffer all the time; autograd's gradients in the weights' dtype during a backward, until they
+  are folded into the buffer (so they compete with that micro-batch's activations, which the
+  backward frees as they appear: the peak is the larger, not the sum); the master copy (none in
+  fp32, whose master partition is the weights) and Adam's two moments, divided by dp under ZeRO-1;
+  at the step, the buffer converted to the communication dtype where that differs (bf16, fp16).
 * Activations (`layer_activation_bytes`): what autograd saves per layer of this implementation,
   counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
   times the micro-batches in flight on the stage (1F1B: min(pp − stage, m)), plus the two
@@ -48,7 +45,7 @@ from model.config import ModelConfig
 from model.flops import layer_forward_flops
 from parallel.loss import CHUNK_BYTES
 from parallel.partition import stage_bounds
-from parallel.precision import PRECISIONS
+from parallel.precision import precision_of
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.devices import Device
 from planner.zb import flop_costs, measured_costs, pipeline, stage_costs, weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
@@ -122,18 +119,6 @@ class Candidate:
                 f"mb={self.sequences}×({self.src_len}+{self.tgt_len}) {ac} {self.precision}{zb}")
 
 
-# Bytes per parameter of a stage's shard: (kept between steps), (gradients: allocated during
-# backward, freed by the optimizer step), (kept, divided by dp under ZeRO-1), (extra at the
-# optimizer step), (extra at the step, divided by dp).
-STATE_BYTES = {
-    # fp32 weights | grads | fp32 master + Adam m, v | ZeRO's flat reduced gradients | Adam temporary
-    "fp32": (4, 4, 12, 4, 4),
-    # fp16 weights | fp16 grads | master + m, v | fp16 reduce bucket | fp16 and fp32 partitions + temp
-    "fp16": (2, 2, 12, 2, 10),
-    # bf16 weights + fp32 accumulation buffer | bf16 grads | master + m, v | — | Adam temporary
-    "bf16": (6, 2, 12, 0, 4),
-}
-ELEMENT_BYTES = {name: p.element_bytes for name, p in PRECISIONS.items()}
 
 
 def stage_kinds(cfg: ModelConfig, pp: int) -> list[list[str]]:
@@ -206,22 +191,14 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
     `zb`: ZB-H1's pending-W peaks and first-stage share (`zb_pipeline`'s; default: this layout's)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
-    kept, grads, kept_dp, step, step_dp = STATE_BYTES[layout.precision]
-    # ZeRO-1 with one replica in fp32 runs as parallel/engine.py's LeanZeroOptimizer: its
-    # master partition is the flat weights and the gradients live in one flat buffer for good.
-    lean_zero1 = layout.zero == 1 and layout.dp == 1 and layout.precision == "fp32"
-    if (layout.zero == 0 or lean_zero1) and layout.precision != "bf16":  # (BF16_Optimizer shards by dp itself)
-        # No flat fp32 copy: AdamW's m and v sit beside the weights, unsharded, and the fused
-        # AdamW makes no temporaries; DeepSpeed's all-reduce flattens the gradients into buckets
-        # with more than one replica (parallel/engine.py skips it with one).
-        # fp16 (FP16_Optimizer) keeps an fp32 master copy too; by its code, not measured.
-        unsharded = 8 if layout.precision == "fp32" else 12
-        kept_dp, step, step_dp = 0, grads * (layout.dp > 1), 0
-    else:
-        unsharded = 0
-    if layout.precision in ("fp16", "bf16") and dev.kind == HOST:
-        raise ValueError("the planner models fp16/bf16 for GPUs only")
-    e = ELEMENT_BYTES[layout.precision]
+    precision = precision_of(layout.precision)
+    per = precision.state_bytes()  # FlatOptimizer's bytes per parameter, every precision's optimizer
+    kept, grads, step = per["kept"], per["grads"], per["step"]
+    # ZeRO-1 divides the master copy and Adam's moments over the replicas; stage 0 keeps them whole.
+    kept_dp, unsharded = (per["kept_dp"], 0) if layout.zero else (0, per["kept_dp"])
+    if precision.low and dev.kind == HOST:
+        raise ValueError("the planner models 16-bit precisions for GPUs only")
+    e = precision.element_bytes
     mask = e if dev.kind == HOST else 1  # dropout's kept mask: the activations' dtype on CPUs, bool on GPUs
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
@@ -264,17 +241,14 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
     activations += stale * (kept_output + (stage > 0) * h_bytes)
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     state = params * (kept + unsharded + kept_dp / layout.dp)
-    if layout.micro_batches > in_flight or lean_zero1:
-        # Later micro-batches run forward while the earlier ones' gradients exist (with the
-        # lean ZeRO-1, every forward: its gradient buffer is never freed).
-        fwd_bwd = state + params * grads + activations + transient + comm
-    else:
-        # Gradients appear as backward frees activations, layer by layer (measured: the peak is
-        # the larger of the two, not their sum, when every forward precedes every backward).
-        fwd_bwd = state + max(activations + transient, params * grads + activations * (in_flight - 1) / in_flight) + comm
-    # ZeRO's reduce bucket holds at most reduce_bucket_size (DeepSpeed's default 5e8) elements.
-    step_extra = min(params, 5e8) * step + params * step_dp / layout.dp
-    at_step = state + params * grads + step_extra
+    # Autograd's gradients appear as a backward frees its micro-batch's activations, layer by layer,
+    # and are folded into the kept buffer and freed when it ends: the peak is the larger of the
+    # two, not their sum.
+    fwd_bwd = state + max(activations + transient, params * grads + activations * (in_flight - 1) / in_flight) + comm
+    # The reduction converts the flat buffer to the communication dtype where they differ (the
+    # fused AdamW steps the master partition without temporaries).
+    step_extra = params * step
+    at_step = state + step_extra
     return {"params": params, "weights_grads": params * (kept + grads), "optimizer": params * (unsharded + kept_dp / layout.dp),
             "activations": activations + transient, "buffers": comm, "step_extra": step_extra,
             "peak": max(fwd_bwd, at_step), "peak_phase": "forward/backward" if fwd_bwd >= at_step else "optimizer step"}
@@ -289,7 +263,7 @@ def _allreduce_seconds(nbytes: float, ranks: int, gbs: float) -> float:
 
 def _stage_comm(cfg: ModelConfig, layout: Candidate, dev: Device) -> tuple[list[float], float]:
     """Per stage the tensor-parallel all-reduce seconds of a micro-batch, and the point-to-point send's."""
-    e = ELEMENT_BYTES[layout.precision]
+    e = precision_of(layout.precision).element_bytes
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     tp_comm = []
     for kinds in stage_kinds(cfg, layout.pp):
@@ -315,7 +289,7 @@ def efficiency_of(mfu: Efficiency, layout: Candidate) -> float:
 
 def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> dict[str, float]:
     """Forward + backward seconds of one layer of each kind for a micro-batch (3 forwards' FLOPs)."""
-    peak = dev.peak_tflops[layout.precision] * 1e12 * efficiency_of(mfu, layout)
+    peak = dev.peak_tflops[precision_of(layout.precision).math] * 1e12 * efficiency_of(mfu, layout)
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     return {k: 3 * b * layer_forward_flops(cfg, k, s, t) / layout.tp / peak for k in ("encoder", "decoder", "output")}
 
@@ -339,14 +313,14 @@ def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency,
         pipeline, bubble_fraction = zb["seconds"], zb["bubble_fraction"]
         bubble = bubble_fraction * pipeline
         compute = sum(zb["cost"].values()) - tp_comm - p2p  # with the split's own cost
-    # Data parallel: fp32 gradient reduction (bf16 accumulates in fp32) + all-gather of weights.
-    e = ELEMENT_BYTES[layout.precision]
+    # Data parallel: the accumulated gradients all-reduced in the weights' dtype (FlatOptimizer's
+    # flat buffer, converted to DeepSpeed's communication dtype) + ZeRO-1's all-gather of the weights.
+    e = precision_of(layout.precision).element_bytes
     ranks_per_stage = layout.tp * layout.dp
     params = max(sum(layer_params(cfg, k, layout.tp) for k in kinds) for kinds in stage_kinds(cfg, layout.pp))
-    grad_bytes = 2 if layout.precision == "fp16" else 4
     dp_gbs = dev.intra_gbs if ranks_per_stage <= dev.gpus_per_node else dev.inter_node_gbs / dev.gpus_per_node
-    dp_comm = _allreduce_seconds(params * grad_bytes, layout.dp, dp_gbs) / 2 \
-        + _allreduce_seconds(params * e, layout.dp, dp_gbs) / 2  # reduce-scatter + all-gather
+    dp_comm = _allreduce_seconds(params * e, layout.dp, dp_gbs) \
+        + _allreduce_seconds(params * e, layout.dp, dp_gbs) / 2 * (layout.zero > 0)  # all-reduce + all-gather
     optimizer = params / layout.dp * 32 / (dev.hbm_gbs * 1e9)  # master, m, v, grad read+written
     total = pipeline + dp_comm + optimizer
     return {"total": total, "compute": (layout.micro_batches) * compute, "bubble": bubble,
@@ -391,7 +365,7 @@ class Plan:
         return self.target_tokens_per_step / self.time["total"]
 
     def mfu(self, dev: Device) -> float:
-        return self.model_flops_per_step / self.time["total"] / (dev.peak_tflops[self.layout.precision] * 1e12
+        return self.model_flops_per_step / self.time["total"] / (dev.peak_tflops[precision_of(self.layout.precision).math] * 1e12
                                                                   * self.layout.world)
 
 

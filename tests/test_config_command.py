@@ -33,7 +33,8 @@ def test_the_printed_config_is_every_key_and_loads_back_as_the_same_config(tmp_p
     assert lines["max_steps"].startswith("* an integer, >= 1 | default 1000 | may change on resume | Optimizer steps")
     assert lines["d_model"].startswith("* an integer, >= 4 | default 512 | fixed on resume | Width of the residual")
     assert lines["encoder_layers"].startswith("an integer, >= 1 | default 6 | fixed on resume")  # = the default
-    assert lines["precision"].startswith("* one of fp32, bf16, fp16 | default fp32 | may change on resume")
+    assert lines["precision"].startswith("* a string, one of fp32, bf16, fp16 (parallel/precision.py) | default fp32 | "
+                                         "may change on resume")
     changed = sum(line.startswith("* ") for line in lines.values())
     assert f"{changed} differ from the defaults" in text.splitlines()[0]
 

@@ -171,27 +171,28 @@ def test_plan_command_rejects_bad_input(capsys):
         assert err.startswith("error: ") and flag in err and err.count("\n") == 1, err
 
 
-def test_without_zero_adam_state_is_unsharded_and_one_replica_makes_no_step_copies():
-    """parallel.zero_stage: 0 in fp32: AdamW's m and v (8 B/param) beside the weights on every
-    replica, no flat master copy; DeepSpeed's all-reduce flattens the gradients (4 B/param) only
-    with more than one replica (parallel/engine.py skips it with one). ZeRO-1 with one replica
-    (LeanZeroOptimizer) holds the same, its flat gradient buffer also during forward."""
+def test_optimizer_state_follows_the_precision_record():
+    """FlatOptimizer's bytes per parameter (parallel/precision.py `state_bytes`): the master copy
+    (none in fp32: the master partition is the weights) and Adam's m and v are divided by dp under
+    ZeRO-1 and whole at stage 0; the weights and the fp32 gradient buffer are kept whole; at the
+    step only a 16-bit precision converts the buffer to its communication dtype."""
     import dataclasses
 
-    from planner.devices import cpu_device
+    from planner.devices import cpu_device, device
     from planner.planner import Candidate, stage_memory
 
-    model, dev = named_model("base-6-6"), cpu_device(1e11, 24 * 2**30)
-    zero1 = Candidate(pp=1, tp=1, dp=4, micro_batches=2, sequences=32, src_len=16, tgt_len=16, precision="fp32")
-    for dp in (4, 1):
-        one = stage_memory(model, dataclasses.replace(zero1, dp=dp), 0, dev)
-        none = stage_memory(model, dataclasses.replace(zero1, dp=dp, zero=0), 0, dev)
-        params = one["params"]
-        # fp32 master + m + v, sharded; with one replica the lean ZeRO-1 keeps no master copy
-        assert one["optimizer"] == pytest.approx(12 * params / dp if dp > 1 else 8 * params)
-        assert none["optimizer"] == pytest.approx(8 * params)  # m + v, whole on every replica
-        assert none["step_extra"] == pytest.approx(4 * params if dp > 1 else 0.0)
-        assert none["activations"] == one["activations"] and none["weights_grads"] == one["weights_grads"]
-    lean = stage_memory(model, dataclasses.replace(zero1, dp=1, micro_batches=1), 0, dev)
-    plain = stage_memory(model, dataclasses.replace(zero1, dp=1, micro_batches=1, zero=0), 0, dev)
-    assert lean["step_extra"] == 0.0 and lean["peak"] >= plain["peak"]  # its gradient buffer stays
+    model = named_model("base-6-6")
+    base = Candidate(pp=1, tp=1, dp=4, micro_batches=2, sequences=32, src_len=16, tgt_len=16, precision="fp32")
+    for precision, dev, element, master in (("fp32", cpu_device(1e11, 24 * 2**30), 4, 0),
+                                             ("bf16", device("h100"), 2, 4), ("fp16", device("h100"), 2, 4)):
+        for dp in (4, 1):
+            layout = dataclasses.replace(base, dp=dp, precision=precision)
+            one = stage_memory(model, layout, 0, dev)
+            none = stage_memory(model, dataclasses.replace(layout, zero=0), 0, dev)
+            params = one["params"]
+            assert one["optimizer"] == pytest.approx((master + 8) * params / dp)
+            assert none["optimizer"] == pytest.approx((master + 8) * params)
+            assert one["weights_grads"] == none["weights_grads"] == pytest.approx((element + 4 + element) * params)
+            assert one["step_extra"] == none["step_extra"] == pytest.approx((element if element < 4 else 0) * params)
+            assert none["activations"] == one["activations"]
+
