@@ -20,6 +20,7 @@ import resource
 import time
 
 from launcher.commands.bench import Bench  # ./run.sh has imported it before this module
+from schema.text import count
 
 _T0 = time.time()  # early (after the standard library's small modules): start-up counts from the process's birth
 BENCH = Bench(name="startup", help="launch to first step of one pipeline stage", config="--config",
@@ -76,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         model_cfg.vocab_size = cfg.data.vocab_size
     plan = layer_plan(model_cfg)
     if not 0 <= args.stage < args.pp <= len(plan):
-        raise SystemExit(f"error: --stage {args.stage} / --pp {args.pp}: need 0 ≤ stage < pp ≤ {len(plan)} plan layers")
+        raise SystemExit(f"error: --stage {args.stage} / --pp {args.pp}: need 0 ≤ stage < pp ≤ {count(len(plan), 'plan layer')}")
     mark("config")
 
     bounds = partition_balanced(layer_costs(model_cfg), args.pp)
     lo, hi = bounds[args.stage], bounds[args.stage + 1]
-    mark(f"partition of {len(plan)} plan layers into {args.pp} stages")
+    mark(f"partition of {count(len(plan), 'plan layer')} into {count(args.pp, 'stage')}")
 
     specs = layer_specs(model_cfg, cfg.train.seed)[lo:hi]
     layers = torch.nn.ModuleList(spec.build() for spec in specs)

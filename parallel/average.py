@@ -15,6 +15,7 @@ from parallel import manifest
 from parallel.checkpoints import CheckpointError, consolidated_dict
 from parallel.init_from import open_model_file
 from parallel.manifest import replacing
+from schema.text import count
 
 
 
@@ -36,7 +37,7 @@ def select(run_dir: str, last: int | None = None, steps: list[int] | None = None
         if last is None or last < 1:
             raise CheckpointError("give --last N (N ≥ 1) or --steps S [S ...]")
         if len(tags) < last:
-            raise CheckpointError(f"{run_dir} keeps {len(tags)} checkpoints ({have}); --last {last} needs {last}: "
+            raise CheckpointError(f"{run_dir} keeps {count(len(tags), 'checkpoint')} ({have}); --last {last} needs {last}: "
                                   "average fewer, or keep more (train.keep_checkpoints)")
         chosen = sorted(tags[:last], key=lambda t: int(t[4:]))
     for tag in chosen:

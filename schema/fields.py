@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from schema.text import count
+
 PATH_RULE = "a relative path in a config is from the config file's folder, with --set from yours"
 """How the path keys' relative values are read (trainer/config.py `anchor_path`); every error about
 a path that is not there gives it."""
@@ -112,7 +114,7 @@ def _typed(value, base, key: str, build):
     if origin in (list, tuple) and isinstance(value, (list, tuple)):
         args = typing.get_args(base)
         if origin is tuple and len(args) != len(value):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            raise ConfigError(f"{key}: expected {count(len(args), 'value')}, got {len(value)}")
         items = [coerce(args[0] if origin is list else args[i], v, f"{key}[{i}]", build) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (list, tuple):

@@ -23,6 +23,7 @@ from model.norms import set_training_step, step_blocks
 from parallel import accelerator, heartbeat, manifest, rng
 from parallel.compiled import summary as compiled_summary
 from parallel.init_from import agreed_source, load_into
+from schema.text import count
 from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer, log0, note0
 from trainer.config import RunConfig
@@ -103,7 +104,8 @@ class Trainer:
         self.checkpoints.attach(self.engine, self.module)
         self.compiled = bool(self.engine.compiled_layers)
         if self.compiled:
-            log0(f"compiling {', '.join(f'{n} {kind} layers' for kind, n in sorted(self.engine.compiled_layers.items()))} "
+            kinds = sorted(self.engine.compiled_layers.items())
+            log0(f"compiling {', '.join(count(n, f'{kind} layer') for kind, n in kinds)} "
                  f"on first use (train.compile={cfg.train.compile}; the first step takes longer, one graph per layer "
                  "kind)")
         self.ckpt_dir = self.checkpoints.ckpt_dir
@@ -115,8 +117,9 @@ class Trainer:
             from parallel.tensor import seed_tensor_parallel_rng
 
             seed_tensor_parallel_rng(cfg.train.seed + 1_000 * layout.stage + layout.replica, layout.tp_rank)
-        log0(f"pipeline partition ({layout.pp} stages × tensor-parallel {layout.tp} × {layout.dp} replicas, "
-             f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
+        log0(f"pipeline partition ({count(layout.pp, 'stage')} × tensor-parallel {layout.tp} × "
+             f"{count(layout.dp, 'replica')}, {sum(p.numel() for p in self.module.parameters())} parameters on "
+             f"rank 0):\n"
              f"{self.module.describe_partition()}")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"), cfg.data.directions)
         self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"), cfg.data.directions)

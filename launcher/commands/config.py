@@ -12,6 +12,7 @@ import yaml
 
 from launcher.launch import DEFAULT_CONFIG
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
+from schema.text import count
 
 HELP = ("print the resolved config: every key with its value, what it accepts, its default, whether it may "
         "change on resume and what it does (--keys: every key without a config)")
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace) -> int:
     values = to_dict(cfg)
     changed = [k for k in table if _plain(_value(values, k.name)) != _plain(k.default)]
     sets = f" with --set {' '.join(args.sets)}" if args.sets else ""
-    print(f"# {shown_path(args.config)}{sets}, resolved: {len(table)} keys, {len(changed)} differ from the "
-          "defaults (marked *).\n# Each comment: what the key accepts | its default | whether it may change when "
+    print(f"# {shown_path(args.config)}{sets}, resolved: {len(table)} keys, {len(changed)} {'differs' if len(changed) == 1 else 'differ'} "
+          "from the defaults (marked *).\n# Each comment: what the key accepts | its default | whether it may change when "
           "the run is resumed | what it does.")
     section = None
     for k in table:

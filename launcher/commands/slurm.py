@@ -14,6 +14,7 @@ from launcher.options import add_config_arguments, caller_cwd, run_dir_override,
 from launcher.preflight import check_init_from, check_resume, check_run_dir
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
 from trainer.config import ConfigError, RunConfig, load_config, parse_set
+from schema.text import count
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
 
@@ -66,7 +67,7 @@ def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int
     if nodes * tasks != world:
         raise ConfigError(
             f"{args.config}: the layout needs pipeline_stages × tensor_parallel × data_parallel = "
-            f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {world} ranks, but "
+            f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {count(world, 'rank')}, but "
             f"--nodes {nodes} × {'--gpus-per-node' if gpus else '--tasks-per-node'} {tasks} = "
             f"{nodes * tasks}; change the flags or parallel.data_parallel in the config")
     return nodes, gpus, tasks
@@ -167,16 +168,16 @@ def _cpus_per_task(args: argparse.Namespace, gpus: int, tasks: int) -> tuple[int
     by its GPUs (CPU nodes: by its ranks); and the script's header line saying which."""
     if args.cpus_per_task:
         return args.cpus_per_task, f"CPUs per rank: --cpus-per-task={args.cpus_per_task}, as given"
-    share = f"{gpus} GPUs" if gpus else f"{tasks} ranks per node"
+    share = count(gpus, "GPU") if gpus else f"{count(tasks, 'rank')} per node"
     cpus, how = node_cpus(args.partition)
     if cpus is not None:
         n = max(1, cpus // (gpus or tasks))
-        return n, f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs per node ({how}) / {share}"
+        return n, f"CPUs per rank: --cpus-per-task={n} = {count(cpus, 'CPU')} per node ({how}) / {share}"
     cpus = os.cpu_count() or 1
     n = max(1, cpus // (gpus or tasks))
-    print(f"note: --cpus-per-task {n} assumes nodes like this machine ({cpus} CPUs / {share}): {how}; "
+    print(f"note: --cpus-per-task {n} assumes nodes like this machine ({count(cpus, 'CPU')} / {share}): {how}; "
           "give --cpus-per-task for the compute nodes", file=sys.stderr)
-    return n, (f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs / {share}, this machine's CPUs ({how}), "
+    return n, (f"CPUs per rank: --cpus-per-task={n} = {count(cpus, 'CPU')} / {share}, this machine's CPUs ({how}), "
                "assumed to be a node's; regenerate with --cpus-per-task for other nodes")
 
 

@@ -12,6 +12,7 @@ import yaml
 
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
+from schema.text import count
 from trainer.config import ConfigError, load_config, to_dict
 from launcher.preflight import (check_device, check_directions, check_init_from, check_relaunch, check_resume,
                                 check_run_dir, end_run_here)
@@ -79,8 +80,8 @@ def _train(args: argparse.Namespace, cfg) -> int:
               f"data_parallel={p.data_parallel}")
     gpus = gpu_count()
     if gpus and world > gpus:
-        raise ConfigError(f"{args.config}: {layout} needs {world} ranks, one per GPU, but this node has "
-                          f"{gpus} GPUs; lower parallel.data_parallel, or run on several nodes with "
+        raise ConfigError(f"{args.config}: {layout} needs {count(world, 'rank')}, one per GPU, but this node has "
+                          f"{count(gpus, 'GPU')}; lower parallel.data_parallel, or run on several nodes with "
                           f"./run.sh slurm {args.config} --nodes N --gpus-per-node {gpus}")
     env = launch_env(world)
     # Cores this process may use (a cgroup, taskset or SLURM allocation may grant fewer than the
@@ -137,7 +138,7 @@ def record_scores(run_dir: str, sentences: int) -> None:
     means, each = metrics.score_events(rows, step)
     metrics.record(run_dir, means, tensorboard_only=each)
     append_log(run_dir, f"step {step} | test " + " | ".join(f"{tag.split('/')[-1]} {value:.2f}" for tag, value, _ in means)
-               + f" (first {sentences} sentences per direction, beam 5; eval/test.md)")
+               + f" (first {count(sentences, 'sentence')} per direction, beam 5; eval/test.md)")
 
 
 def _recorded_since(run_dir: str, started: float) -> bool:
@@ -150,13 +151,13 @@ def _recorded_since(run_dir: str, started: float) -> bool:
 
 def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, cores: int) -> int:
     """Start the ranks under supervision (launcher/procs.py); their exit code, explained."""
-    where = (f"{world} of {gpus} GPUs" if gpus else
-             f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
+    where = (f"{world} of {count(gpus, 'GPU')}" if gpus else
+             f"{count(cores, 'CPU core')}, {count(int(env['OMP_NUM_THREADS']), 'thread')} per rank")
 
     def announce():  # once signals are handled: from here on a SIGTERM gets a checkpoint
-        print(f"launching {world} ranks ({layout}) on {where}", flush=True)
+        print(f"launching {count(world, 'rank')} ({layout}) on {where}", flush=True)
         if not gpus and world > cores:
-            print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
+            print(f"warning: {count(world, 'rank')} share {count(cores, 'core')}; each step will be slow", flush=True)
 
     env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
     started = time.time()
