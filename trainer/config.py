@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import os
 import re
 import stat
@@ -19,7 +18,8 @@ from data.config import GETTEXT_PREFIX, DataConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig, TrainConfig
 from parallel.schedules import SCHEDULES
-from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, field_checks, from_dict
+from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, did_you_mean, field_checks, from_dict
+from trainer.key_aliases import KEY_ALIASES
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
 MAX_CONFIG_BYTES = 1 << 20  # a run config is a few hundred bytes; anything this large is not one
@@ -61,6 +61,11 @@ class RunConfig:
     def world_size(self) -> int:
         p = self.parallel
         return p.pipeline_stages * p.tensor_parallel * p.data_parallel
+
+
+def run_config(values: dict, where: str) -> RunConfig:
+    """`from_dict` for a whole run config, its unknown keys pointed to by KEY_ALIASES too."""
+    return from_dict(RunConfig, values, where, aliases=KEY_ALIASES)
 
 
 def to_dict(obj) -> dict:
@@ -168,8 +173,8 @@ def _set_annotation(key: str):
         here = ".".join(parts[:i + 1])
         if part not in hints:
             section = f" of {'.'.join(parts[:i])}" if i else ""
-            close = difflib.get_close_matches(part, list(hints), n=1)
-            hint = f" (did you mean {'.'.join([*parts[:i], close[0]])}?)" if close else ""
+            prefix = "".join(f"{p}." for p in parts[:i])
+            hint = did_you_mean(part, prefix, list(hints), RunConfig, KEY_ALIASES)
             raise ConfigError(f"--set {key}: unknown key {here}{hint}; the keys{section} are {', '.join(hints)}")
         annotation = hints[part]
         if dataclasses.is_dataclass(annotation):
@@ -305,13 +310,13 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
             values[section] = items
     apply_sets(values, sets, cwd)
     where = f"{path} with --set {' '.join(sets)}" if sets else path
-    cfg = from_dict(RunConfig, values, where)
+    cfg = run_config(values, where)
     validate(cfg, where)
     for name, layout in cfg.clusters.items():
         at = f"{where}: clusters.{name}"
         merged = with_cluster(values, name, at)
         _anchor_paths(merged, at, base)
-        laid_out = from_dict(RunConfig, merged, at)
+        laid_out = run_config(merged, at)
         validate(laid_out, at)
         if layout.nodes * layout.gpus_per_node != laid_out.world_size:
             raise ConfigError(f"{at}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
@@ -321,7 +326,7 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
         laid_out = with_cluster(values, cluster, where)
         _anchor_paths(laid_out, where, base)
         apply_sets(laid_out, sets, cwd)
-        cfg = from_dict(RunConfig, laid_out, where)
+        cfg = run_config(laid_out, where)
         validate(cfg, f"{where} with clusters.{cluster}")
     return cfg
 
@@ -329,7 +334,7 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
 def check_run_config(values: dict, where: str) -> None:
     """Raise ConfigError, naming the key, when the mapping `values` (a whole run config, as
     written by a program rather than read from a file) is not a valid run config."""
-    validate(from_dict(RunConfig, values, where), where)
+    validate(run_config(values, where), where)
 
 
 def validate(cfg: RunConfig, where: str) -> None:
