@@ -66,7 +66,8 @@ def test_relative_paths_inside_a_config_are_from_its_folder_and_on_the_command_l
     (project / "mine.yaml").write_text(yaml.safe_dump(cfg))
     proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0"], caller, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"RUN_DIR={project}/runs/x\n" in proc.stdout and (project / "runs" / "x" / "slurm" / "job.sbatch").exists()
+    assert f"RUN_DIR={project}/runs/x\n" in (project / "runs" / "x" / "slurm" / "job.sbatch").read_text()
+    assert f"; the run: {project}/runs/x\n" in proc.stdout
     with open(project / "runs" / "x" / "slurm" / "config.yaml") as f:
         assert yaml.safe_load(f)["data"]["corpus"] == str(project / "corpus")
     proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0", "--set", "run_dir=here"],

@@ -181,6 +181,24 @@ def _cpus_per_task(args: argparse.Namespace, gpus: int, tasks: int) -> tuple[int
                "assumed to be a node's; regenerate with --cpus-per-task for other nodes")
 
 
+def _summary(spec: JobSpec, script: str, notes: list[str]) -> list[str]:
+    """What was written and the facts of the job, in a few lines: the script itself is in the file
+    (its header holds every note: how --cpus-per-task was chosen, a --dry-run's missing corpus)."""
+    ranks = spec.nodes * spec.tasks_per_node
+    on = f"{count(spec.gpus_per_node, 'GPU')} each, NCCL" if spec.gpus_per_node else "CPU nodes, gloo"
+    on += f"; --cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else ""
+    limit = (f"time limit {spec.time} (checkpoint and requeue {spec.signal_before} s before it)" if spec.time
+             else "the partition's time limit")
+    where = "".join(f", {key} {value}" for key, value in (("partition", spec.partition), ("account", spec.account))
+                    if value)
+    return [f"wrote {shown_path(script)} and the config it reads, {shown_path(spec.config)}",
+            f"  job {spec.name}: {count(spec.nodes, 'node')} × {count(spec.tasks_per_node, 'rank')} per node = "
+            f"{count(ranks, 'rank')} ({spec.layout}; {on}), {limit}{where}",
+            f"  {notes[0]}",  # the tokens per step (the script's header has every note)
+            f"  logs: {shown_path(os.path.join(spec.run_dir, 'slurm', 'logs'))}/{spec.name}-<job id>.out; "
+            f"the run: {shown_path(spec.run_dir)}"]
+
+
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
@@ -231,16 +249,14 @@ def run(args: argparse.Namespace) -> int:
     source = f"{args.config} with --set {' '.join(args.sets)}" if args.sets else args.config
     source += " and --keep-batch" if args.keep_batch and args.sets else ""
     script = write_job(spec, resolved_config_text(cfg, source, args.cluster))
-    with open(script, encoding="utf-8") as f:
-        print(f.read())
-    print(f"wrote {script}\n  and {spec.config}", file=sys.stderr)
+    print("\n".join(_summary(spec, script, notes)))
     if args.dry_run:
         then = (f"once the corpus is there: {_command_line(args)} --submit" if missing
-                else f"submit with: sbatch {script}")
-        print(f"--dry-run: nothing submitted; {then}", file=sys.stderr)
+                else f"submit with: sbatch {shown_path(script)}")
+        print(f"--dry-run: nothing submitted; {then}")
         return 0
     if not args.submit:
-        print(f"submit with: sbatch {script}", file=sys.stderr)
+        print(f"submit with: sbatch {shown_path(script)}")
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("--submit: sbatch is not on PATH (run this on a SLURM login node)")
