@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import warnings
 
 import numpy as np
 import polib
@@ -202,9 +203,13 @@ def test_resumed_stream_yields_exactly_the_uninterrupted_batches(train_set):
     for expected, got in zip(reference, first + rest, strict=True):
         for key in ("src", "tgt_in", "tgt_out", "ids"):
             assert (expected[key] == got[key]).all()
-    with pytest.warns(UserWarning, match="max_tokens"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every rank would warn: the trainer's rank 0 says it, in train.log too
         changed = BatchStream(train_set, 300, 5, 2.0, start_state=state, window=1500)
     assert (changed.epoch, changed.window_index, changed.position) == (2, 0, 0)
+    assert changed.order_changed == ("the batch order changed since the checkpoint (data.max_tokens): the data "
+                                     "stream continues at the start of epoch 2, not where the checkpoint left it")
+    assert BatchStream(train_set, 400, 5, 2.0, start_state=state, window=1500).order_changed == ""
 
 
 def test_temperature_counts_of_an_epoch_follow_the_formula(train_set):

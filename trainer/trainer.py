@@ -117,10 +117,8 @@ class Trainer:
             from parallel.tensor import seed_tensor_parallel_rng
 
             seed_tensor_parallel_rng(cfg.train.seed + 1_000 * layout.stage + layout.replica, layout.tp_rank)
-        log0(f"pipeline partition ({count(layout.pp, 'stage')} × tensor-parallel {layout.tp} × "
-             f"{count(layout.dp, 'replica')}, {sum(p.numel() for p in self.module.parameters())} parameters on "
-             f"rank 0):\n"
-             f"{self.module.describe_partition()}")
+        log0(f"pipeline partition ({count(layout.pp, 'stage')} × tensor-parallel {layout.tp} × {count(layout.dp, 'replica')}"
+             f", {sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n{self.module.describe_partition()}")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"), cfg.data.directions)
         self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"), cfg.data.directions)
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.data.seed,
@@ -129,6 +127,8 @@ class Trainer:
         self.step = 0
         resumed = self.checkpoints.resume()
         self.restore(resumed)
+        if self.stream.order_changed:  # said once (rank 0), on the console and in train.log
+            note0(cfg.run_dir, self.stream.order_changed)
         if self.init_source is not None:
             s = self.init_source
             note0(cfg.run_dir, f"started from {s.path} (step {s.step}; train.init_from={s.given}): its weights only; "
