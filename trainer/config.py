@@ -48,8 +48,9 @@ class ClusterLayout:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: FolderPath = "runs/default"
-    """Where data, checkpoints, logs and the summary go. An existing run directory is resumed."""
+    run_dir: FolderPath = "runs/{config}"
+    """Where data, checkpoints, logs and the summary go; `{config}` is the config file's name without
+    its extension, so that a copied config gets a run of its own. An existing run directory is resumed."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -61,11 +62,6 @@ class RunConfig:
     def world_size(self) -> int:
         p = self.parallel
         return p.pipeline_stages * p.tensor_parallel * p.data_parallel
-
-
-def run_config(values: dict, where: str) -> RunConfig:
-    """`from_dict` for a whole run config, its unknown keys pointed to by KEY_ALIASES too."""
-    return from_dict(RunConfig, values, where, aliases=KEY_ALIASES)
 
 
 def to_dict(obj) -> dict:
@@ -193,12 +189,13 @@ def _set_annotation(key: str):
     return None
 
 
-def apply_sets(values: dict, sets: list[str], cwd: str | None = None) -> dict:
+def apply_sets(values: dict, sets: list[str], cwd: str | None = None, name: str | None = None) -> dict:
     """The raw config mapping `values` with every `--set KEY=VALUE` of `sets` applied (later ones
     win). Each value is checked against its field's annotation by the same code as the YAML file
     (schema/fields.py), so an unknown key or a value of the wrong type or range is a ConfigError that
     names `--set KEY`; rules across keys are checked when the whole config is built. A relative
-    path (PATH_KEYS) is taken from `cwd`, the caller's folder (default this process's)."""
+    path (PATH_KEYS) is taken from `cwd`, the caller's folder (default this process's); `{config}` in
+    run_dir is `name`, the config file's name without its extension."""
     for item in sets:
         key, value = parse_set(item)
         annotation = _set_annotation(key)
@@ -207,7 +204,7 @@ def apply_sets(values: dict, sets: list[str], cwd: str | None = None) -> dict:
         if annotation is not None:
             try:
                 if key in PATH_KEYS:
-                    value = anchor_path(value, key, cwd or os.getcwd())
+                    value = anchor_path(value, key, cwd or os.getcwd(), name)
                 coerce(annotation, value, key)
             except ConfigError as e:
                 raise ConfigError(f"--set {e}") from None
@@ -232,6 +229,8 @@ PATH_KEYS = ("run_dir", "data.corpus", "data.spm_model", "train.init_from")
 one is made absolute (`anchor_path`): written in a config file, from the file's folder; given with
 --set or by a program (`overrides`), from the caller's folder (docs/configuration.md#paths)."""
 BUNDLED_PREFIX = "bundled:"
+CONFIG_NAME = "{config}"
+"""In run_dir: the config file's name without its extension (runs/{config} in configs/mine.yaml is runs/mine)."""
 _UNSET_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
 
 
@@ -253,9 +252,15 @@ def expand_path(value, key: str):
     return prefix + path
 
 
-def anchor_path(value, key: str, base: str):
+def anchor_path(value, key: str, base: str, name: str | None = None):
     """`value` (expanded) as an absolute path, a relative one taken from the folder `base` (after
-    `gettext:` in data.corpus; `bundled:…` names no path)."""
+    `gettext:` in data.corpus; `bundled:…` names no path); `{config}` in run_dir is `name`, the
+    config file's name without its extension."""
+    if key == "run_dir" and isinstance(value, str) and CONFIG_NAME in value:
+        if name is None:
+            raise ConfigError(f"run_dir={value!r}: {CONFIG_NAME} stands for a config file's name, and there is "
+                              "no config file here; write the folder out")
+        value = value.replace(CONFIG_NAME, name)
     value = expand_path(value, key)
     if not isinstance(value, str) or value.startswith(BUNDLED_PREFIX):
         return value
@@ -264,18 +269,19 @@ def anchor_path(value, key: str, base: str):
     return prefix + (os.path.normpath(os.path.join(base, path)) if path.strip() else path)
 
 
-def _anchor_paths(values: dict, where: str, base: str, skip: set[str] = frozenset()) -> None:
-    """The path keys of the raw mapping `values` (but those in `skip`) made absolute from the folder `base`."""
+def _anchor_paths(values: dict, where: str, base: str, name: str | None, skip: set[str] = frozenset()) -> None:
+    """The path keys of the raw mapping `values` (but those in `skip`) made absolute from the folder
+    `base` (`{config}` in run_dir: `name`)."""
     for key in PATH_KEYS:
         if key in skip:
             continue
-        *sections, name = key.split(".")
+        *sections, leaf = key.split(".")
         node = values
         for part in sections:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and name in node:
+        if isinstance(node, dict) and leaf in node:
             try:
-                node[name] = anchor_path(node[name], key, base)
+                node[leaf] = anchor_path(node[leaf], key, base, name)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
 
@@ -285,6 +291,11 @@ def _has(values: dict, key: str) -> bool:
     for part in sections:
         values = values.get(part) if isinstance(values, dict) else None
     return isinstance(values, dict) and name in values
+
+
+def config_name(path: str) -> str:
+    """What `{config}` in run_dir stands for: the config file's name without its extension."""
+    return os.path.splitext(os.path.basename(path))[0]
 
 
 def load_config(path: str, overrides: dict | None = None, cluster: str | None = None,
@@ -297,26 +308,27 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
     Every layout is validated."""
     values = read_yaml(path)
     base, cwd = os.path.dirname(os.path.abspath(path)), cwd or os.getcwd()
+    name = config_name(path)
     values.setdefault("run_dir", RunConfig.run_dir)  # the default too is from the file's folder
     overrides = copy.deepcopy(overrides or {})
     sets = list(sets or [])
     replaced = {parse_set(item)[0] for item in sets} | {key for key in PATH_KEYS if _has(overrides, key)}
-    _anchor_paths(values, path, base, skip=replaced)  # (what --set or overrides replace is not the file's)
-    _anchor_paths(overrides, path, cwd)
+    _anchor_paths(values, path, base, name, skip=replaced)  # (what --set or overrides replace is not the file's)
+    _anchor_paths(overrides, path, cwd, name)
     for section, items in overrides.items():
         if isinstance(items, dict) and isinstance(values.get(section), dict):
             values[section].update(items)
         else:
             values[section] = items
-    apply_sets(values, sets, cwd)
+    apply_sets(values, sets, cwd, name)
     where = f"{path} with --set {' '.join(sets)}" if sets else path
-    cfg = run_config(values, where)
+    cfg = from_dict(RunConfig, values, where, aliases=KEY_ALIASES)
     validate(cfg, where)
     for name, layout in cfg.clusters.items():
         at = f"{where}: clusters.{name}"
         merged = with_cluster(values, name, at)
-        _anchor_paths(merged, at, base)
-        laid_out = run_config(merged, at)
+        _anchor_paths(merged, at, base, name)
+        laid_out = from_dict(RunConfig, merged, at, aliases=KEY_ALIASES)
         validate(laid_out, at)
         if layout.nodes * layout.gpus_per_node != laid_out.world_size:
             raise ConfigError(f"{at}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
@@ -324,9 +336,9 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
                               f"{laid_out.world_size}")
     if cluster is not None:
         laid_out = with_cluster(values, cluster, where)
-        _anchor_paths(laid_out, where, base)
-        apply_sets(laid_out, sets, cwd)
-        cfg = run_config(laid_out, where)
+        _anchor_paths(laid_out, where, base, name)
+        apply_sets(laid_out, sets, cwd, name)
+        cfg = from_dict(RunConfig, laid_out, where, aliases=KEY_ALIASES)
         validate(cfg, f"{where} with clusters.{cluster}")
     return cfg
 
@@ -334,7 +346,7 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
 def check_run_config(values: dict, where: str) -> None:
     """Raise ConfigError, naming the key, when the mapping `values` (a whole run config, as
     written by a program rather than read from a file) is not a valid run config."""
-    validate(run_config(values, where), where)
+    validate(from_dict(RunConfig, values, where, aliases=KEY_ALIASES), where)
 
 
 def validate(cfg: RunConfig, where: str) -> None:

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -13,7 +14,7 @@ import yaml
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from schema.text import count
-from trainer.config import ConfigError, load_config, to_dict
+from trainer.config import ConfigError, config_name, load_config, read_yaml, to_dict
 from launcher.preflight import (check_device, check_directions, check_init_from, check_relaunch, check_resume,
                                 check_run_dir, end_run_here)
 from launcher.procs import die_with_parent_shell, supervise
@@ -37,12 +38,29 @@ def gpu_count() -> int:
     return accelerator.gpu_count()
 
 
+def former_default_run(path: str, run_dir: str) -> str | None:
+    """The run directory a config that names no run_dir had before the default was named after the
+    config (runs/default beside it), where that holds a run and the config's own default `run_dir`
+    does not exist yet: a launch would start afresh in `run_dir` instead of resuming it. Else None."""
+    base = os.path.dirname(os.path.abspath(path))
+    old = os.path.join(base, "runs", "default")
+    if (run_dir != os.path.join(base, "runs", config_name(path)) or old == run_dir or os.path.exists(run_dir)
+            or not os.path.exists(os.path.join(old, "config.json")) or "run_dir" in read_yaml(path)):
+        return None
+    return old
+
+
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
     if args.eval_sentences < 0:
         raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
     cfg = load_config(args.config, run_dir_override(args), sets=args.sets, cwd=caller_cwd())
+    former = former_default_run(args.config, cfg.run_dir)
+    if former:
+        print(f"note: {shown_path(args.config)} names no run_dir, so it trains in {shown_path(cfg.run_dir)} "
+              f"(runs/{{config}} beside it); {shown_path(former)} holds the run such a config had before: set "
+              "run_dir: runs/default in it to resume that run", file=sys.stderr, flush=True)
     check_run_dir(cfg, args.config)
     saved = check_resume(cfg, args.config)
     verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
