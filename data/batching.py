@@ -183,10 +183,6 @@ class BatchStream:
         ids, _, _, batches = self.window_plan(epoch, k)
         return [ids[b] for b in batches]
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """All batches of ``epoch`` (every window: for small corpora and tests)."""
-        return [b for k in range(self.windows) for b in self.window_batches(epoch, k)]
-
     def _current(self) -> list[np.ndarray]:
         if self._batches is None:
             self._batches = self.window_batches(self.epoch, self.window_index)

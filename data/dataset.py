@@ -152,11 +152,3 @@ class PairDataset:
         if "tgt_lens" not in self._cache:
             self._materialise()
         return self._cache["tgt_lens"]
-
-    @property
-    def dir_ids(self) -> np.ndarray:
-        """Direction index of every example (see :attr:`src_lens`)."""
-        if "dir_ids" not in self._cache:
-            directions = np.arange(len(self.direction_sizes), dtype=np.int16)
-            self._cache["dir_ids"] = np.repeat(directions, self.direction_sizes)
-        return self._cache["dir_ids"]

@@ -69,10 +69,6 @@ class Layout:
         return self.groups["tensor"]
 
     @property
-    def first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
     def last_stage(self) -> bool:
         return self.stage == self.pp - 1
 

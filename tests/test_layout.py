@@ -40,7 +40,7 @@ except ValueError as e:
     refused = str(e)
 print(json.dumps({"coords": [layout.rank, layout.stage, layout.replica, layout.tp_rank],
                   "sizes": [layout.pp, layout.tp, layout.dp, layout.world_size],
-                  "ends": [layout.first_stage, layout.last_stage], "device": str(layout.device),
+                  "ends": [layout.stage == 0, layout.last_stage], "device": str(layout.device),
                   "groups": groups, "refused": refused}))
 """
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
