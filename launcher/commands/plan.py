@@ -14,8 +14,8 @@ import math
 import os
 
 from launcher.options import caller_cwd, user_path
-from trainer.config import ConfigError, RunConfig
 from schema.text import count
+from trainer.config import ConfigError, RunConfig
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
 

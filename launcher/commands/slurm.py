@@ -13,8 +13,8 @@ from data.errors import DataError
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from launcher.preflight import check_init_from, check_resume, check_run_dir
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
-from trainer.config import ConfigError, RunConfig, load_config, parse_set
 from schema.text import count
+from trainer.config import ConfigError, RunConfig, load_config, parse_set
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
 
