@@ -12,7 +12,6 @@ import yaml
 
 from launcher.launch import DEFAULT_CONFIG
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
-from schema.text import count
 
 HELP = ("print the resolved config: every key with its value, what it accepts, its default, whether it may "
         "change on resume and what it does (--keys: every key without a config)")
