@@ -68,7 +68,9 @@ case "$cmd" in
       --basetemp "$(mktemp -d "${TMPDIR:-/tmp}/deepnet-tests.XXXXXX")" "$@"
     ;;
   help|-h|--help)
-    sed -n '2,10p' "$0"
+    # The header comment (every line after the shebang up to the first that is not a comment).
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+    echo
     exec "$VENV/bin/python" -m launcher.cli --help
     ;;
   *)

@@ -21,6 +21,7 @@ from itertools import groupby
 
 import numpy as np
 
+from schema.text import count
 
 BENCH = dict(name="data", help="preparation and loader throughput", config="--config", paths=("--corpus", "--out"))
 TARGET_PAIRS = 12_000_000_000  # the paper's largest run (102 languages, 1,932 directions)
@@ -145,32 +146,32 @@ def main(argv: list[str] | None = None) -> int:
         pairs = list_pairs(corpus)
         shards = plan_shards(pairs, args.shard_size, SPLITS)
         lines = sum(s.lines for s in shards)
-        print(f"corpus: {len(pairs)} pairs, {lines:,} line pairs, {len(shards)} shards of "
-              f"≤{args.shard_size:,}; {workers} workers on {os.cpu_count()} cores")
+        print(f"corpus: {count(len(pairs), 'pair')}, {count(lines, 'line pair', spec=',')}, {count(len(shards), 'shard')} "
+              f"of ≤{args.shard_size:,}; {count(workers, 'worker')} on {count(os.cpu_count() or 1, 'core')}")
 
         def stage(name, fn, make_task, setup=None, results_to=None):
             entry = {}
-            for count in sorted({1, workers}):
-                out = os.path.join(root, f"{name}-{count}")
-                work = os.path.join(root, f"work-{count}")
+            for n in sorted({1, workers}):
+                out = os.path.join(root, f"{name}-{n}")
+                work = os.path.join(root, f"work-{n}")
                 tasks = [make_task(s, out, work) for s in shards]
-                wall, cpu, done = _timed(lambda t=tasks, c=count: list(
+                wall, cpu, done = _timed(lambda t=tasks, c=n: list(
                     run_tasks(fn, t, c, name, setup=setup, progress=False)))
-                entry[f"wall_{count}"] = lines / wall
-                entry[f"cpu_{count}"] = lines / cpu
+                entry[f"wall_{n}"] = lines / wall
+                entry[f"cpu_{n}"] = lines / cpu
                 if results_to is not None:
                     results_to.extend(result for _, result in done)
             entry["per_worker"] = entry["cpu_1"]
             entry["total"] = entry[f"wall_{workers}"]
             results[name] = entry
             print(f"{name:>12}: {entry['cpu_1']:>9,.0f} pairs per CPU-second ({entry['wall_1']:,.0f}"
-                  f"/s wall with 1 worker); {entry['total']:,.0f}/s wall with {workers} workers "
+                  f"/s wall with 1 worker); {entry['total']:,.0f}/s wall with {count(workers, 'worker')} "
                   f"({entry[f'cpu_{workers}']:,.0f} per CPU-second)")
 
         stage("validation", check_shard, lambda s, out, work: (s, work, cfg.data.max_chars))
-        for count in sorted({1, workers}):
+        for n in sorted({1, workers}):
             for _, group in groupby(shards, key=lambda s: (s.split, s.pair)):
-                deduplicate(list(group), os.path.join(root, f"work-{count}"))
+                deduplicate(list(group), os.path.join(root, f"work-{n}"))
         work = os.path.join(root, f"work-{workers}")
         train = [s for s in shards if s.split == "train"]
         model_path = os.path.join(root, "spm.model")
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                                 cfg.data.spm_normalization)
         results["spm_training"] = {"sample_lines": sum(taken.values()), "sample_seconds": seconds,
                                    "train_seconds": spm_seconds, "vocab_size": cfg.data.vocab_size}
-        print(f"SentencePiece: sampled {sum(taken.values()):,} lines in {seconds:.1f} s, trained "
+        print(f"SentencePiece: sampled {count(sum(taken.values()), 'line', spec=',')} in {seconds:.1f} s, trained "
               f"vocab {cfg.data.vocab_size} in {spm_seconds:.1f} s")
 
         tokenizer = load_tokenizer(model_path)
@@ -249,10 +250,10 @@ def main(argv: list[str] | None = None) -> int:
             "share_of_step": (loader + per_step_window) / min(step, logged or step),
         }
         print(f"{'loader':>12}: {micro / loader:,.0f} batches per CPU-second, {1000 * loader:.2f} ms per step of "
-              f"{micro} micro-batches (max_tokens {cfg.data.max_tokens}, padding "
-              f"{epoch['padding_fraction']:.1%}); building a window of {examples:,} examples "
+              f"{count(micro, 'micro-batch', 'micro-batches')} (max_tokens {cfg.data.max_tokens}, padding "
+              f"{epoch['padding_fraction']:.1%}); building a window of {count(examples, 'example', spec=',')} "
               f"took {window:.2f} CPU-s = {1000 * per_step_window:.2f} ms per step over its "
-              f"{len(batches):,} batches")
+              f"{count(len(batches), 'batch', 'batches', ',')}")
         print(f"{'step':>12}: {step:.2f} CPU-s for the config's model (all stages, one thread)"
               + (f", {logged:.2f} s from {cfg.run_dir}'s logged tokens/s" if logged else "")
               + f" → loader and window = {100 * results['loader']['share_of_step']:.2f}% of a step")

@@ -23,6 +23,7 @@ import math
 import os
 
 from planner.devices import BASIS_SHAPES
+from schema.text import count
 
 PLANNER_BASIS = BASIS_SHAPES
 """Shapes whose kernel efficiency the planner takes for their width (planner/devices.py prefers
@@ -124,8 +125,8 @@ def train_table(results: list[dict]) -> str:
     if not results:
         return "No training measurement came back.\n"
     first = results[0]
-    lines = [f"{first.get('precision')}, pp = tp = dp = 1, FlatOptimizer, ZeRO-1, {first.get('micro_batches')} "
-             f"micro-batches of (128 + 128)-token pairs per step on {first.get('device')}; MFU against "
+    lines = [f"{first.get('precision')}, pp = tp = dp = 1, FlatOptimizer, ZeRO-1, "
+             f"{count(first.get('micro_batches'), 'micro-batch', 'micro-batches')} of (128 + 128)-token pairs per step on {first.get('device')}; MFU against "
              f"{fmt(first.get('datasheet_peak_tflops'), '.0f')} TFLOP/s (datasheet, dense); kernel efficiency = model "
              "FLOPs over forward + backward time only; GPU busy = kernel time (union over streams, one profiled step) "
              "over the median step; host-bound = 1 − busy.", "",

@@ -37,6 +37,7 @@ import yaml
 from bench.report import LAYOUT_KEYS, Environment, summarize, write_outputs
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from runtime.accelerator import HOST
+from schema.text import count
 from trainer.config import ConfigError, load_config
 
 BENCH = dict(name="train", help="layout grid on CPU", config=0, config_in=("--grid",),
@@ -51,7 +52,7 @@ FLAG_TYPES = {"pp": int, "tp": int, "dp": int, "ac": int, "max_tokens": int, "mi
 def expand(entry: dict, where: str) -> list[dict]:
     unknown = sorted(set(entry) - set(GRID_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown layout key(s) {unknown}; use {list(GRID_KEYS)}")
+        raise ConfigError(f"{where}: unknown layout {'key' if len(unknown) == 1 else 'keys'} {unknown}; use {list(GRID_KEYS)}")
     keys = list(entry)
     values = [v if isinstance(v, list) else [v] for v in entry.values()]
     return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
@@ -100,7 +101,7 @@ def build_grid(args: argparse.Namespace) -> tuple[str, dict, list[dict], int, in
             spec = yaml.safe_load(f) or {}
         unknown = sorted(set(spec) - {"config", "model", "warmup", "steps", "layouts"})
         if unknown:
-            raise ConfigError(f"{args.grid}: unknown key(s) {unknown}; use config, model, warmup, steps, layouts")
+            raise ConfigError(f"{args.grid}: unknown {'key' if len(unknown) == 1 else 'keys'} {unknown}; use config, model, warmup, steps, layouts")
     config = args.config or spec.get("config") or DEFAULT_CONFIG
     base = load_config(config)
     model = dict(spec.get("model") or {})
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", help="YAML grid file (see --help text above)")
     parser.add_argument("--model", help="a named model shape of the planner (e.g. base-6-6, tiny-100-100)")
     for key in GRID_KEYS:
-        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, help=f"{key} value(s), comma-separated")
+        parser.add_argument(f"--{key.replace('_', '-')}", dest=key, help=f"{key}: one value or several, comma-separated")
     parser.add_argument("--warmup", type=int, help="untimed steps per layout (default 2)")
     parser.add_argument("--steps", type=int, help="measured steps per layout (default 5)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
@@ -205,8 +206,8 @@ def bench(args: argparse.Namespace) -> int:
         layout = {**layout, "warmup": warmup, "steps": steps}
         world = worlds[layout["name"]]
         if env.device_kind == HOST and world > (os.cpu_count() or 1):
-            print(f"note: {layout['name']} runs {world} ranks on {os.cpu_count()} cores; its times are oversubscribed")
-        print(f"running {layout['name']} ({world} rank{'s' * (world > 1)}) ...", flush=True)
+            print(f"note: {layout['name']} runs {count(world, 'rank')} on {count(os.cpu_count() or 1, 'core')}; its times are oversubscribed")
+        print(f"running {layout['name']} ({count(world, 'rank')}) ...", flush=True)
         result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
         threads = int(launch_environment(layout, world)["OMP_NUM_THREADS"])
         row = summarize(result, env, load_config(config, {"model": model}).model, threads)

@@ -41,6 +41,7 @@ import tarfile
 import tempfile
 import time
 
+from schema.text import count
 
 BENCH = dict(name="model", help="the plain model's training step, eager against compiled, or against another "
              "commit's model, steps interleaved", paths=("--out",))
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(line, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    lines = [f"Plain model, {args.batch} × ({args.src} + {args.tgt}) tokens, fp32, {args.threads} thread(s), "
-             f"{args.warmup} warm-up + {args.steps} measured steps per variant, interleaved; CPU seconds per step "
+    lines = [f"Plain model, {args.batch} × ({args.src} + {args.tgt}) tokens, fp32, {count(args.threads, 'thread')}, "
+             f"{args.warmup} warm-up + {count(args.steps, 'measured step')} per variant, interleaved; CPU seconds per step "
              f"(median); load average before {' '.join(f'{x:.1f}' for x in load_before)}, after "
              f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}; freed host memory "
              f"{'kept for reuse' if kept else 'returned to the system (glibc defaults)'}.", ""]

@@ -18,6 +18,7 @@ import os
 import sys
 
 from launcher.launch import ROOT
+from schema.text import count
 
 MICRO_BATCH_INSTRUCTIONS = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation",
                             "SendGrad", "RecvGrad", "WeightPass")
@@ -166,7 +167,7 @@ def launch_syncs(config: str, pp: int, data_dir: str, work: str, overrides: list
     where = None  # the ranks run on this process's accelerator
     if not accelerator.on_host() and gpus < pp:  # one GPU cannot hold two ranks' stages: CPU ranks
         env["DS_ACCELERATOR"], env["CUDA_VISIBLE_DEVICES"] = accelerator.HOST, ""
-        where = f"{accelerator.HOST} ranks (this machine has {gpus} GPU{'s' * (gpus != 1)} for {pp} stages)"
+        where = f"{accelerator.HOST} ranks (this machine has {count(gpus, 'GPU')} for {count(pp, 'stage')})"
     log = os.path.join(work, f"syncs-pp{pp}.log")
     with open(log, "w") as f:
         code = subprocess.call(deepspeed_command(pp, "bench.ops_syncs", args), env=env, cwd=ROOT, stdout=f,

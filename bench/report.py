@@ -40,6 +40,7 @@ from parallel.config import ParallelConfig
 from planner.planner import Candidate
 from runtime import accelerator
 from runtime.accelerator import HOST
+from schema.text import count
 
 # Layout keys of a benchmark grid → (config section, key).
 LAYOUT_KEYS = {"pp": ("parallel", "pipeline_stages"), "tp": ("parallel", "tensor_parallel"),
@@ -127,7 +128,7 @@ class Environment:
             one = ", ".join(f"{v / 1e12:.3f}" for v in self.core_peaks.values())
             what = f"2048² matmul probe: max(all cores, cores × one thread); one thread {one}"
         load = " ".join(f"{x:.1f}" for x in self.load_average)
-        return (f"{self.device_name} ({self.cores} cores, {self.memory_bytes / 2**30:.0f} GiB); "
+        return (f"{self.device_name} ({count(self.cores, 'core')}, {self.memory_bytes / 2**30:.0f} GiB); "
                 f"peak {peaks} ({what}); load average before: {load}")
 
 
@@ -273,7 +274,7 @@ def _pct(x: float | None) -> str:
 
 def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
     setup = (f"Config `{spec['config']}`, model overrides {spec['model'] or 'none'}; {spec['warmup']} warm-up + "
-             f"{spec['steps']} measured steps per layout (times: the worker's speed phase). Planner step time assumes kernels at "
+             f"{count(spec['steps'], 'measured step')} per layout (times: the worker's speed phase). Planner step time assumes kernels at "
              f"{CPU_ASSUMED_MFU:.0%} of each rank's share of the peak (for ranking layouts).")
     header = ("| layout | ranks × threads | target tok/s | step s (median, min–max) | planner step s | model TFLOP/s "
               "| MFU | MFU by CPU time | HFU | trainer / plain (CPU) | bubble measured / theory | peak MB per stage, measured (planner) "

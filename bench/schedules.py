@@ -28,6 +28,7 @@ import sys
 import time
 
 from bench import zb_costs
+from schema.text import count
 
 BENCH = dict(name="schedules", help="1F1B vs ZB-H1, steps interleaved in one launch", config=0, paths=("--out",),
              launches=True)
@@ -133,7 +134,7 @@ def summarize(result: dict) -> list[dict]:
 
 def markdown(rows: list[dict], spec: dict) -> str:
     lines = [f"Interleaved steps of each schedule in one launch per micro-batch count; config `{spec['config']}`, "
-             f"pp = {spec['pp']}, {spec['warmup']} warm-up + {spec['steps']} measured steps per schedule; load average "
+             f"pp = {spec['pp']}, {spec['warmup']} warm-up + {count(spec['steps'], 'measured step')} per schedule; load average "
              f"before: {spec['load_before']}.", "",
              "| m | schedule | step s median (all) | bubble (wall) per stage | bubble mean | CPU s per step per stage "
              "| CPU replay: pipeline s, bubble | load after |", "|---" * 8 + "|"]

@@ -19,6 +19,7 @@ import os
 import resource
 import time
 
+from schema.text import count
 
 _T0 = time.time()  # early (after the standard library's small modules): start-up counts from the process's birth
 BENCH = dict(name="startup", help="launch to first step of one pipeline stage", config="--config",
@@ -58,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         phases.append((name, now - wall, now_cpu - cpu))
         wall, cpu = now, now_cpu
 
+    import deepspeed  # noqa: F401  (every rank imports it; counted with the other imports)
     import torch
 
-    import deepspeed  # noqa: F401  (every rank imports it; counted with the other imports)
-    from trainer.config import load_config
     from model.transformer import layer_plan
     from parallel.engine_config import adamw
-    from parallel.pipeline import CHECKPOINTABLE, layer_costs, layer_specs, stage_flow, stage_message
     from parallel.partition import partition_balanced
+    from parallel.pipeline import CHECKPOINTABLE, layer_costs, layer_specs, stage_flow, stage_message
+    from trainer.config import load_config
 
     torch.set_num_threads(args.threads)
     mark("imports (torch, deepspeed, model, pipeline)")
@@ -76,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         model_cfg.vocab_size = cfg.data.vocab_size
     plan = layer_plan(model_cfg)
     if not 0 <= args.stage < args.pp <= len(plan):
-        raise SystemExit(f"error: --stage {args.stage} / --pp {args.pp}: need 0 ≤ stage < pp ≤ {len(plan)} plan layers")
+        raise SystemExit(f"error: --stage {args.stage} / --pp {args.pp}: need 0 ≤ stage < pp ≤ {count(len(plan), 'plan layer')}")
     mark("config")
 
     bounds = partition_balanced(layer_costs(model_cfg), args.pp)
     lo, hi = bounds[args.stage], bounds[args.stage + 1]
-    mark(f"partition of {len(plan)} plan layers into {args.pp} stages")
+    mark(f"partition of {count(len(plan), 'plan layer')} into {count(args.pp, 'stage')}")
 
     specs = layer_specs(model_cfg, cfg.train.seed)[lo:hi]
     layers = torch.nn.ModuleList(spec.build() for spec in specs)

@@ -7,6 +7,7 @@ with different SentencePiece models are refused, naming the first difference."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -15,31 +16,59 @@ from checkpoint.checkpoints import CheckpointError, consolidated_dict
 from checkpoint.init_from import open_model_file
 from checkpoint.manifest import replacing
 from model.config import TRAINING_ONLY
+from schema.text import count
+
+_STEP_TAG = re.compile(r"^step(\d+)$")
+_UNIVERSAL_TAG = re.compile(r"^universal-step(\d+)$")  # ./run.sh convert reshard's (checkpoint/checkpoints.py)
+STATES = "mp_rank_00_model_states.pt"  # what every DeepSpeed checkpoint folder holds (checkpoint/checkpoints.py locate)
+
+
+def run_checkpoints(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, tag) of every checkpoint of a run that `./run.sh convert consolidate`, `translate` and
+    `train` find, newest first: the committed `stepN` ones, the universal checkpoint of `./run.sh
+    convert reshard` (`universal-stepN`, which a resharded run keeps beside its own), and without
+    any committed one the tag `latest` names (an older version's checkpoint)."""
+    found = {int(tag[4:]): tag for tag in manifest.committed_tags(ckpt_dir)}
+    if not found:
+        tag = manifest.read_latest(ckpt_dir)[0]
+        if tag and _STEP_TAG.match(tag) and os.path.isfile(os.path.join(ckpt_dir, tag, STATES)):
+            found[int(tag[4:])] = tag
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        names = []
+    for name in names:
+        match = _UNIVERSAL_TAG.match(name)
+        if match and os.path.isfile(os.path.join(ckpt_dir, name, STATES)):
+            found.setdefault(int(match.group(1)), name)  # a step's own checkpoint wins over its conversion
+    return sorted(found.items(), reverse=True)
 
 
 def select(run_dir: str, last: int | None = None, steps: list[int] | None = None) -> list[str]:
-    """The checkpoint folders of a run directory to average: its `last` newest committed
-    checkpoints, or those of `steps`; each verified against its manifest."""
+    """The checkpoint folders of a run directory to average (`run_checkpoints`): its `last` newest,
+    or those of `steps`; each committed one verified against its manifest."""
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{run_dir} is not a run directory (no checkpoints/ in it); name the checkpoints "
                               "or model files to average instead of --last/--steps")
-    tags = manifest.committed_tags(ckpt_dir)  # newest first
-    have = ", ".join(reversed(tags)) or "none"
+    tags = run_checkpoints(ckpt_dir)  # newest first
+    have = ", ".join(tag for _, tag in reversed(tags)) or "none"
     if steps:
-        missing = [s for s in steps if f"step{s}" not in tags]
+        by_step = dict(tags)
+        missing = [s for s in steps if s not in by_step]
         if missing:
             raise CheckpointError(f"{run_dir} has no checkpoint of step {', '.join(map(str, missing))} (it has: {have})")
-        chosen = [f"step{s}" for s in sorted(set(steps))]
+        chosen = [by_step[s] for s in sorted(set(steps))]
     else:
         if last is None or last < 1:
             raise CheckpointError("give --last N (N ≥ 1) or --steps S [S ...]")
         if len(tags) < last:
-            raise CheckpointError(f"{run_dir} keeps {len(tags)} checkpoints ({have}); --last {last} needs {last}: "
+            raise CheckpointError(f"{run_dir} keeps {count(len(tags), 'checkpoint')} ({have}); --last {last} needs {last}: "
                                   "average fewer, or keep more (train.keep_checkpoints)")
-        chosen = sorted(tags[:last], key=lambda t: int(t[4:]))
+        chosen = [tag for _, tag in reversed(tags[:last])]
+    committed = set(manifest.committed_tags(ckpt_dir))  # the others have no manifest to verify against
     for tag in chosen:
-        problems = manifest.verify(os.path.join(ckpt_dir, tag))
+        problems = manifest.verify(os.path.join(ckpt_dir, tag)) if tag in committed else []
         if problems:
             raise CheckpointError(f"checkpoint {tag} is damaged: {problems[0]}; leave it out (--steps)")
     return [os.path.join(ckpt_dir, tag) for tag in chosen]

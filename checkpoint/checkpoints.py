@@ -42,6 +42,7 @@ from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, layer_plan
 from parallel.pipeline import plain_state_dict
 from runtime.accelerator import HOST
+from schema.text import count
 
 CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
 UNIVERSAL_LATEST = "latest_universal"  # the file DeepSpeed reads when load_universal is set
@@ -155,7 +156,7 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig, wanted: set[str] | None = Non
                 continue  # the output layer is tied to the embedding, saved with layer 0
             if (index, rank) not in files:
                 raise CheckpointError(f"{tag_dir}: no file for layer {index} (tensor-parallel rank {rank}) of "
-                                      f"the model's {len(plan)} plan layers; the checkpoint is incomplete")
+                                      f"the model's {count(len(plan), 'plan layer')}; the checkpoint is incomplete")
             prefix = "tied_modules.embed." if layer.kind == "embed" else f"{index}."
             pipe.update({prefix + key: value for key, value in load_file(files[index, rank]).items()})
         per_rank.append(plain_state_dict(cfg, pipe))
@@ -307,7 +308,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
                               "supports pipeline and data parallelism only")
     global_micro = run_cfg["train"]["micro_batches"] * old["data_parallel"]
     if global_micro % data_parallel:
-        raise CheckpointError(f"the global batch has {global_micro} micro-batches (train.micro_batches × "
+        raise CheckpointError(f"the global batch has {count(global_micro, 'micro-batch', 'micro-batches')} "
+                              "(train.micro_batches × "
                               f"data_parallel = {run_cfg['train']['micro_batches']} × {old['data_parallel']}); "
                               f"data_parallel={data_parallel} must divide it")
     out_run_dir = os.path.abspath(out_run_dir)
@@ -347,8 +349,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
 
     config_path = os.path.join(out_run_dir, "config.yaml")
     with open(config_path, "w", encoding="utf-8") as f:
-        f.write(f"# resharded from {tag_dir} ({old['pipeline_stages']} stages × {old['data_parallel']} "
-                f"replicas) to {pipeline_stages} × {data_parallel}\n")
+        f.write(f"# resharded from {tag_dir} ({count(old['pipeline_stages'], 'stage')} × "
+                f"{count(old['data_parallel'], 'replica')}) to {pipeline_stages} × {data_parallel}\n")
         yaml.safe_dump(run_cfg, f, sort_keys=False)
     with open(os.path.join(out_run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=2)

@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from schema.text import count
+
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = "deepnet-checkpoint-manifest-1"
@@ -212,7 +214,7 @@ def verify(tag_dir: str) -> list[str]:
             continue
         size = os.path.getsize(path)
         if size != want["size"]:
-            problems.append(f"{path} has {size} bytes, the manifest says {want['size']} "
+            problems.append(f"{path} has {count(size, 'byte')}, the manifest says {want['size']} "
                             f"({'truncated' if size < want['size'] else 'grown'})")
         elif sha256(path) != want["sha256"]:
             problems.append(f"{path} has changed since it was written (SHA-256 differs from the manifest)")

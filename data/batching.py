@@ -15,7 +15,6 @@ position)``, stored in training checkpoints by :meth:`BatchStream.state_dict`.
 """
 
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -28,6 +27,10 @@ from data.spm import BOS_ID, PAD_ID
 WINDOW = 1_000_000
 """Examples sorted together for length bucketing: large enough that batches are nearly
 padding-free, small enough (~50 MB of index arrays) to rebuild in well under a second."""
+ORDER_SETTINGS = {"max_tokens": "data.max_tokens", "temperature": "data.sampling_temperature",
+                  "directions": "data.directions", "seed": "data.seed", "window_size": "the bucketing window",
+                  "num_examples": "the training examples"}
+"""The stream's state entries that define the batch order → what a user changes to change them."""
 
 
 def collate(
@@ -148,6 +151,8 @@ class BatchStream:
         self.position = 0
         """Batches of that window consumed so far."""
         self._batches: list[np.ndarray] | None = None
+        self.order_changed = ""
+        """Why a resumed stream starts a new epoch (`load_state_dict`), or ''."""
         if start_state is not None:
             self.load_state_dict(start_state)
 
@@ -177,10 +182,6 @@ class BatchStream:
         """Global batches (example ids) of window ``k`` of ``epoch``."""
         ids, _, _, batches = self.window_plan(epoch, k)
         return [ids[b] for b in batches]
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """All batches of ``epoch`` (every window: for small corpora and tests)."""
-        return [b for k in range(self.windows) for b in self.window_batches(epoch, k)]
 
     def _current(self) -> list[np.ndarray]:
         if self._batches is None:
@@ -216,19 +217,19 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where ``state`` was taken. If the order-defining settings changed,
-        the old position means nothing in the new order: start the following epoch afresh."""
+        the old position means nothing in the new order: start the following epoch afresh, and
+        say why in ``order_changed`` (the trainer's rank 0 prints it and writes it to train.log;
+        every rank would otherwise say it)."""
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.window_index, self._batches = int(state.get("window", 0)), None
         current = {**self.state_dict(), "num_examples": len(self.dataset)}
-        keys = ("seed", "temperature", "max_tokens", "window_size", "num_examples", "directions")
-        changed = [key for key in keys if key in state and state[key] != current[key]]
+        changed = [key for key in ORDER_SETTINGS if key in state and state[key] != current[key]]
+        self.order_changed = ""
         if changed:
-            warnings.warn(
-                f"data order settings changed since the checkpoint ({', '.join(changed)}); "
-                f"continuing from the start of epoch {self.epoch + 1}",
-                stacklevel=2,
-            )
             self.epoch, self.window_index, self.position = self.epoch + 1, 0, 0
+            self.order_changed = (f"the batch order changed since the checkpoint "
+                                  f"({', '.join(ORDER_SETTINGS[key] for key in changed)}): the data stream "
+                                  f"continues at the start of epoch {self.epoch}, not where the checkpoint left it")
 
 
 def epoch_stats(stream: BatchStream, epoch: int = 0, max_windows: int | None = None) -> dict:

@@ -26,6 +26,7 @@ import numpy as np
 
 from data.errors import DataError
 from schema.fields import PATH_RULE
+from schema.text import count
 
 SPLITS = ("train", "dev", "test")
 # Byte-order marks, longest first (UTF-32LE's starts with UTF-16LE's).
@@ -285,18 +286,18 @@ def line_offsets(path: str, every: int) -> tuple[int, list[int]]:
     return count, [o for i, o in enumerate(offsets) if i * every < count or i == 0]
 
 
-def read_lines(path: str, offset: int, count: int) -> list[bytes]:
-    """``count`` raw lines starting at byte ``offset``, terminators (``\\n``, ``\\r\\n``) removed."""
+def read_lines(path: str, offset: int, n: int) -> list[bytes]:
+    """``n`` raw lines starting at byte ``offset``, terminators (``\\n``, ``\\r\\n``) removed."""
     lines = []
     with open(path, "rb") as handle:
         handle.seek(offset)
-        for _ in range(count):
+        for _ in range(n):
             line = handle.readline()
             if not line:
                 break
             lines.append(line.rstrip(b"\n").rstrip(b"\r"))
-    if len(lines) != count:
-        raise DataError(f"{path} changed while being read (expected {count} lines at {offset})")
+    if len(lines) != n:
+        raise DataError(f"{path} changed while being read (expected {count(n, 'line')} at {offset})")
     return lines
 
 
@@ -321,7 +322,7 @@ def count_pair_lines(pair: CorpusPair, split: str, every: int = 1 << 62) -> list
             raise DataError(f"{path}: empty file; fill it or remove it (and its other side)")
     if len(files) == 2 and result[0][0] != result[1][0]:
         raise DataError(
-            f"line counts differ: {files[0]} has {result[0][0]} lines but {files[1]} has "
+            f"line counts differ: {files[0]} has {count(result[0][0], 'line')} but {files[1]} has "
             f"{result[1][0]}; the two sides of a pair must be line-aligned"
         )
     return result

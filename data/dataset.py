@@ -19,6 +19,7 @@ import numpy as np
 from data.binarize import SIDES, open_indexed
 from data.errors import DataError
 from data.spm import EOS_ID
+from schema.text import count
 
 
 def _raise_open_file_limit(shards: int) -> None:
@@ -30,7 +31,7 @@ def _raise_open_file_limit(shards: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         if target < needed:
             raise DataError(
-                f"this split has {shards} shards, which needs {needed} open files, but the limit "
+                f"this split has {count(shards, 'shard')}, which needs {count(needed, 'open file')}, but the limit "
                 f"is {hard}; raise it (ulimit -n) or prepare with a larger data.shard_size"
             )
 
@@ -151,11 +152,3 @@ class PairDataset:
         if "tgt_lens" not in self._cache:
             self._materialise()
         return self._cache["tgt_lens"]
-
-    @property
-    def dir_ids(self) -> np.ndarray:
-        """Direction index of every example (see :attr:`src_lens`)."""
-        if "dir_ids" not in self._cache:
-            directions = np.arange(len(self.direction_sizes), dtype=np.int16)
-            self._cache["dir_ids"] = np.repeat(directions, self.direction_sizes)
-        return self._cache["dir_ids"]

@@ -19,6 +19,7 @@ import polib
 
 from data.corpus import check_language
 from data.errors import DataError
+from schema.text import count
 
 SPLITS = ("train", "dev", "test")
 # GNU modifiers that name a script; the rest of a gettext locale name is already a valid code.
@@ -147,7 +148,7 @@ def split_by_english(
     for language, splits in result.items():
         if not splits["train"]:
             raise DataError(
-                f"language {language!r} has only {sum(map(len, splits.values()))} pairs, too few "
+                f"language {language!r} has only {count(sum(map(len, splits.values())), 'pair')}, too few "
                 f"for dev_size={dev_size} and test_size={test_size}; lower them"
             )
     return result

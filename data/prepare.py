@@ -52,6 +52,7 @@ from data.validate import (
 )
 from data.workers import run_tasks, worker_count
 from schema.fields import PATH_RULE
+from schema.text import count
 
 MANIFEST = "manifest.json"
 SPM_MODEL = "spm.model"
@@ -294,12 +295,12 @@ def _corpus_dir(cfg: DataConfig, out_dir: str, log) -> str:
     return corpus_dir
 
 
-def _rate(count: int, seconds: float) -> str:
-    return f"{count:,} line pairs in {seconds:.1f} s ({count / max(seconds, 1e-9):,.0f}/s)"
+def _rate(n: int, seconds: float) -> str:
+    return f"{count(n, 'line pair', spec=',')} in {seconds:.1f} s ({n / max(seconds, 1e-9):,.0f}/s)"
 
 
 def _earlier(shards: int) -> str:
-    return f"; {shards} shards were done by an earlier run" if shards else ""
+    return f"; {count(shards, 'shard')} {'was' if shards == 1 else 'were'} done by an earlier run" if shards else ""
 
 
 def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, progress) -> dict:
@@ -323,8 +324,8 @@ def _prepare(cfg: DataConfig, out_dir: str, key: dict, fingerprint: str, log, pr
     for shard in shards:
         lines[shard.name][shard.split] = lines[shard.name].get(shard.split, 0) + shard.lines
     total = sum(shard.lines for shard in shards)
-    log(f"data: {len(pairs)} of {len(available)} pairs, {len(directions)} directions, "
-        f"{total:,} line pairs in {len(shards)} shards, {workers} workers")
+    log(f"data: {len(pairs)} of {count(len(available), 'pair')}, {count(len(directions), 'direction')}, "
+        f"{count(total, 'line pair', spec=',')} in {count(len(shards), 'shard')}, {count(workers, 'worker')}")
 
     clock = time.perf_counter()
     todo = [(s, work, cfg.max_chars) for s in shards if not check_done(work, s)]
@@ -428,6 +429,6 @@ def split_index(
 def _summary(manifest: dict) -> str:
     train = sum(manifest["counts"]["train"].values())
     return (
-        f"{len(manifest['directions'])} directions, {train:,} training examples, "
+        f"{count(len(manifest['directions']), 'direction')}, {count(train, 'training example', spec=',')}, "
         f"vocab {manifest['vocab_size']}"
     )

@@ -217,10 +217,6 @@ class Tokenizer:
         """Model source: ``[<2tgt>] + pieces + [eos]``."""
         return [self.tag_id(target_language), *self.encode(text), self.eos_id]
 
-    def encode_target(self, text: str) -> list[int]:
-        """Model target: ``pieces + [eos]``."""
-        return [*self.encode(text), self.eos_id]
-
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``: stops at the first eos, drops pad, bos and language tags."""
         kept = []

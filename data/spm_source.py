@@ -14,6 +14,7 @@ import zipfile
 from data.errors import DataError
 from data.spm import Tokenizer, language_tag, train_spm, write_sample
 from schema.fields import PATH_RULE
+from schema.text import count
 
 CHECKPOINT_FILE = "mp_rank_00_model_states.pt"  # what marks a DeepSpeed checkpoint folder
 
@@ -124,7 +125,7 @@ def make_spm(cfg, train_shards: list, pair_langs: list, languages: list[str], wo
             taken = write_sample(train_shards, pair_langs, work, sample, cfg.spm_sample_sentences,
                                  cfg.spm_temperature, cfg.seed, workers, progress)
             log(f"data: training SentencePiece ({cfg.spm_model_type}, vocab {cfg.vocab_size}) on "
-                f"{sum(taken.values()):,} sampled lines")
+                f"{count(sum(taken.values()), 'sampled line', spec=',')}")
             train_spm(sample, model_path, languages, cfg.vocab_size, cfg.spm_model_type,
                       cfg.character_coverage, cfg.spm_normalization)
         with open(info, "w", encoding="utf-8") as handle:

@@ -33,6 +33,7 @@ import numpy as np
 from data.corpus import CorpusPair
 from data.errors import DataError
 from data.shards import Shard, raw_rows
+from schema.text import count
 
 REASONS = (
     "invalid_utf8",
@@ -183,7 +184,7 @@ def write_report(report: dict, out_dir: str) -> list[str]:
     dropped = total["lines"] - total["kept"]
     share = dropped / max(total["lines"], 1)
     lines = [
-        f"data: validation kept {total['kept']:,} of {total['lines']:,} line pairs, "
+        f"data: validation kept {total['kept']:,} of {count(total['lines'], 'line pair', spec=',')}, "
         f"dropped {dropped:,} ({share:.2%})"
         + (": " + ", ".join(f"{r} {total[r]:,}" for r in REASONS if total[r]) if dropped else "")
     ]
@@ -227,10 +228,12 @@ def check_splits(pairs: list[CorpusPair], shards: list[Shard], counts: dict[str,
             lines = sum(total.values())
             names = " and ".join(files)
             if total["invalid_utf8"] * 2 > lines:
-                raise DataError(f"{names}: {total['invalid_utf8']:,} of {lines:,} lines are not UTF-8; "
-                                "convert the file(s) to UTF-8 (iconv -f ENCODING -t UTF-8)")
+                bad = total["invalid_utf8"]
+                raise DataError(f"{names}: {bad:,} of {count(lines, 'line', spec=',')} {'is' if bad == 1 else 'are'} "
+                                f"not UTF-8; convert {'the file' if len(files) == 1 else 'the files'} to UTF-8 "
+                                "(iconv -f ENCODING -t UTF-8)")
             if split in ("train", "dev") and total["kept"] == 0:
                 dropped = ", ".join(f"{r} {total[r]:,}" for r in REASONS if total[r])
-                raise DataError(f"{names}: none of the {lines:,} line pairs of {split} is usable "
+                raise DataError(f"{names}: none of the {count(lines, 'line pair', spec=',')} of {split} is usable "
                                 f"({dropped}); see data.max_chars, data.max_source_len and "
                                 "data.max_length_ratio, or fix the text")

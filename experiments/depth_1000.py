@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 
 import yaml
+from schema.text import count
 
 DEPTHS = (200, 500)
 STRATEGIES = ("deepnorm", "postln")
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print("depth-1000: wrote " + ", ".join(paths), flush=True)
         return 0
     todo = [r for r in runs if not finished(os.path.join(args.work, r.name), r.steps)]
-    print(f"depth-1000: {len(runs)} runs ({len(runs) - len(todo)} already finished) in {args.work}; "
+    print(f"depth-1000: {count(len(runs), 'run')} ({len(runs) - len(todo)} already finished) in {args.work}; "
           f"unigram dev baseline {baseline:.3f}", flush=True)
     with tqdm(total=sum(r.cost for r in todo), unit="layer-step", unit_scale=True, dynamic_ncols=True,
               bar_format="{l_bar}{bar}| {percentage:3.0f}% [{elapsed}<{remaining}] {postfix}") as bar:

@@ -13,6 +13,7 @@ matplotlib.use("Agg")  # no display on CI machines
 import matplotlib.pyplot as plt
 
 from experiments.report import LABELS
+from schema.text import count
 
 UPDATE_NORMS_CSV = "docs/update-norms/update_norms.csv"
 """Part 1 of update-norms (6L–100L, same recipe as the fig4 runs): drawn beside them when present."""
@@ -169,8 +170,8 @@ def write_outputs(results: list[dict], out: str, command: str, baseline: float, 
     loads = [x[k] for x in launches for k in ("load_start", "load_end")]
     unfinished = [r["run"].name for r in results if r["status"] == "incomplete"]
     md = ["# depth-1000: results", "",
-          f"Written by `{command}` from {len(launches)} trainer launch(es) in {len(sessions) or 'unrecorded'} "
-          f"command(s): {total_wall:.1f} min of wall-clock time and {total_cpu:.1f} min of CPU time (all ranks) in all"
+          f"Written by `{command}` from {count(len(launches), 'trainer launch', 'trainer launches')} in "
+          f"{count(len(sessions), 'command') if sessions else 'unrecorded commands'}: {total_wall:.1f} min of wall-clock time and {total_cpu:.1f} min of CPU time (all ranks) in all"
           + (f", at load averages {min(loads):.1f}–{max(loads):.1f}" if loads else "")
           + " (per run: runs.csv, where runs trained side by side overlap in wall time; per launch: each run "
           "directory's launches.json). "

@@ -12,6 +12,8 @@ import numpy as np
 matplotlib.use("Agg")  # no display on CI machines
 import matplotlib.pyplot as plt
 
+from schema.text import count
+
 LABELS = {"postln": "Post-LN", "preln": "Pre-LN", "deepnorm": "DeepNet (DeepNorm)", "subln": "Sub-LN (Pre-LN DeepNet)",
           "branchnorm": "BranchNorm", "postln-init": "Post-LN-init", "deepnorm-xavier-1.15": "DeepNorm (Xavier, encoder constant 1.15)"}
 
@@ -205,7 +207,7 @@ def write_outputs(results: list[dict], out: str, wall: float, command: str, work
     plot_part2(part2, paths["long_runs.png"])
     cpu = sum(r["spec"]["seconds"] for r in results)
     md = ["# update-norms: results", "", f"Made by `{command}` in {wall / 60:.1f} min wall-clock "
-          f"({cpu / 60:.1f} min of single-thread run time on {workers} workers). Written by the command; "
+          f"({cpu / 60:.1f} min of single-thread run time on {count(workers, 'worker')}). Written by the command; "
           "see docs/update-norms.md for the discussion.", "",
           "## Part 1: model update at the start of training (Fig. 4)", "",
           "![Fig. 4](fig4_update_norms.png)", ""]
@@ -336,12 +338,12 @@ def write_seed_outputs(results: list[dict], out: str, meta: dict) -> list[str]:
     cpu = sum(r["spec"]["seconds"] for r in results)
     cpu_time = sum(r["spec"].get("cpu_seconds", 0.0) for r in results)
     if meta["wall_seconds"] is None:
-        made = (f"Written by `{meta['command']}` from the {len(results)} of {meta['runs_planned']} runs finished so far "
+        made = (f"Written by `{meta['command']}` from the {len(results)} of {count(meta['runs_planned'], 'run')} finished so far "
                 f"(each run's own wall time, summed: {cpu / 60:.1f} min, CPU time {cpu_time / 60:.1f} min; single-thread "
                 "workers on a shared machine). ")
     else:
-        made = (f"Made by `{meta['command']}` in {meta['wall_seconds'] / 60:.1f} min wall-clock on {meta['workers']} "
-                f"workers ({meta['kept_from_earlier']} of {len(results)} runs kept from an earlier, interrupted "
+        made = (f"Made by `{meta['command']}` in {meta['wall_seconds'] / 60:.1f} min wall-clock on "
+                f"{count(meta['workers'], 'worker')} ({meta['kept_from_earlier']} of {count(len(results), 'run')} kept from an earlier, interrupted "
                 f"invocation; {cpu / 60:.1f} min of summed per-run wall time, {cpu_time / 60:.1f} min of CPU time; load average {meta['load_start']:.1f} → "
                 f"{meta['load_end']:.1f}). ")
     md = ["# update-norms --study seeds: results", "",

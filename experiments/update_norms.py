@@ -47,6 +47,7 @@ from model.instruments import OutputCapture, ProbeMonitor
 from model.norms import set_training_step, step_blocks
 from model.step import plain_step
 from model.transformer import EncoderDecoder, smoothed_loss_sum
+from schema.text import count
 
 DEPTHS = (6, 18, 50, 100)
 PART1_STRATEGIES = ("postln", "preln", "deepnorm", "subln", "branchnorm")
@@ -307,9 +308,9 @@ def main_seeds(args: argparse.Namespace, argv: list[str]) -> int:
                 "kept_from_earlier": done, "runs_planned": len(seed_specs(args.quick, seeds, optimizers, strategies, args.freeze)),
                 "command": " ".join(["./run.sh experiment update-norms", *argv])}
         paths = write_seed_outputs(results, out, meta)
-        print(f"update-norms seeds: {len(results)} kept runs; wrote " + ", ".join(paths), flush=True)
+        print(f"update-norms seeds: {count(len(results), 'kept run')}; wrote " + ", ".join(paths), flush=True)
         return 0
-    print(f"update-norms seeds: {len(runs)} runs ({done} kept from earlier) on {args.workers} workers; "
+    print(f"update-norms seeds: {count(len(runs), 'run')} ({done} kept from earlier) on {count(args.workers, 'worker')}; "
           f"finished runs are kept in {keep}", flush=True)
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool, \
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = os.path.join(args.work, "data")
     manifest = prepare_data(data_cfg, data_dir, log=lambda *_: None)
     runs = sorted(specs(args.quick), key=lambda s: -s.cost)  # longest first: better packing
-    print(f"update-norms: {len(runs)} runs on {args.workers} workers; data {data_dir}", flush=True)
+    print(f"update-norms: {count(len(runs), 'run')} on {count(args.workers, 'worker')}; data {data_dir}", flush=True)
     results = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         futures = [pool.submit(run_one, spec, data_dir, manifest["vocab_size"]) for spec in runs]

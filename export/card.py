@@ -8,6 +8,7 @@ import json
 import os
 
 from runtime.accelerator import HOST
+from schema.text import count
 
 
 def run_facts(meta: dict) -> dict:
@@ -105,7 +106,7 @@ def model_card(meta: dict, facts: dict, export_note: str, fmt: str, quantization
         lines.append(f"  - {pair}: " + ", ".join(f"{split} {n}" for split, n in counts.items()) + " line pairs")
     if facts.get("step") is not None:
         stages, replicas = facts.get("layout", (None, None))
-        layout = f" ({stages} pipeline stages × {replicas} replicas)" if stages else ""
+        layout = f" ({count(stages, 'pipeline stage')} × {count(replicas, 'replica')})" if stages else ""
         lines.append(f"- optimizer steps: {facts['step']}{layout}")
     started = meta.get("init_from")
     if started:
@@ -113,7 +114,7 @@ def model_card(meta: dict, facts: dict, export_note: str, fmt: str, quantization
                      f"`{started['init_from']}`): its weights, with a fresh optimizer, schedule and data order")
     averaged = (meta.get("source") or {}).get("averaged")
     if averaged:
-        lines.append(f"- weights: the element-wise mean of {len(averaged)} checkpoints (steps "
+        lines.append(f"- weights: the element-wise mean of {count(len(averaged), 'checkpoint')} (steps "
                      f"{', '.join(str(a['step']) for a in averaged)}; ./run.sh convert average)")
     if facts.get("valid_loss"):
         step, loss = facts["valid_loss"]

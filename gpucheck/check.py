@@ -56,6 +56,7 @@ import uuid
 
 from bench import gpu_results as results
 from runtime.accelerator import HOST
+from schema.text import count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MADE = ("summary.md", "versions.txt", "train.json", "ops.json", "costs.json", "replay.md")
@@ -146,7 +147,7 @@ def versions(path: str) -> None:
     import platform
     from importlib import metadata
 
-    lines = [f"python {platform.python_version()} ({sys.executable}), {os.cpu_count()} cores"]
+    lines = [f"python {platform.python_version()} ({sys.executable}), {count(os.cpu_count() or 1, 'core')}"]
     for dist, module, _ in packages():
         try:
             version = metadata.version(dist)

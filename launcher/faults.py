@@ -31,6 +31,7 @@ import sys
 import time
 
 from runtime import heartbeat
+from schema.text import count
 from trainer.run_dir import record_ending
 
 REQUEUE = 10  # `end`'s exit status when the job should requeue itself
@@ -99,7 +100,7 @@ def _verdict(state: dict, args) -> str | None:
     same = [f for f in faults if f.get("step") == last.get("step")]
     if len(same) >= args.max_same_step:
         attempts = ", ".join(str(f["attempt"]) for f in same)
-        return (f"the same step failed {len(same)} times in job {state['job']} (attempts {attempts}; "
+        return (f"the same step failed {count(len(same), 'time')} in job {state['job']} (attempts {attempts}; "
                 f"{_where(last)}): a fault that recurs at one step is the run's (its data, model or code), "
                 f"not a lost node, so the job is not requeued (MAX_SAME_STEP_FAULTS={args.max_same_step})")
     if len(faults) > args.max_requeues:

@@ -7,7 +7,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIG = os.path.join(ROOT, "configs", "default.yaml")
-DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # DEFAULT_CONFIG's run_dir (../runs/default)
+DEFAULT_RUN = os.path.join(ROOT, "runs", "default")  # DEFAULT_CONFIG's run_dir (../runs/{config})
 
 
 def launch_env(world_size: int) -> dict:

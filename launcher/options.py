@@ -44,10 +44,6 @@ def shown_path(path: str) -> str:
     return path if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
-def bundled_configs() -> list[str]:
-    return sorted(name[:-len(".yaml")] for name in os.listdir(os.path.join(ROOT, "configs")) if name.endswith(".yaml"))
-
-
 def config_path(text: str) -> str:
     """A config given on the command line: a path from the caller's folder or, where none exists,
     the name of a bundled config (`default`, `deepnet-100-100`: configs/<name>.yaml)."""

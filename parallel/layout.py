@@ -24,6 +24,7 @@ import torch
 
 from parallel.config import ParallelConfig
 from runtime import accelerator
+from schema.text import count
 
 AXES = {"pipe": "pipe", "data": "data", "tensor": "model"}
 """The layout's axes → DeepSpeed's names for them."""
@@ -68,10 +69,6 @@ class Layout:
         return self.groups["tensor"]
 
     @property
-    def first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
     def last_stage(self) -> bool:
         return self.stage == self.pp - 1
 
@@ -82,7 +79,8 @@ class Layout:
         pp, tp, dp = parallel.pipeline_stages, parallel.tensor_parallel, parallel.data_parallel
         world = torch.distributed.get_world_size()
         if world != pp * tp * dp:
-            raise ValueError(f"{world} processes were launched but parallel.pipeline_stages × "
+            raise ValueError(f"{count(world, 'process', 'processes')} {'was' if world == 1 else 'were'} launched but "
+                             "parallel.pipeline_stages × "
                              f"tensor_parallel × data_parallel = {pp} × {tp} × {dp} = {pp * tp * dp}")
         topo = topology(pp, tp, dp)
         rank = torch.distributed.get_rank()

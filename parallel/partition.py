@@ -51,11 +51,6 @@ def _stage_ends(prefix: list[float], limit: float, parts: int) -> list[int] | No
     return ends
 
 
-def bottleneck(weights: list[float], bounds: list[int]) -> float:
-    """The cost of the heaviest stage of a partition given as stage bounds (p + 1 indices)."""
-    return max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
-
-
 def partition_balanced(weights: list[float], num_parts: int) -> list[int]:
     """Stage bounds [0, b1, …, n] (num_parts + 1 indices) minimising the heaviest stage's cost.
 

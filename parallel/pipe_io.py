@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from schema.text import count
 
 Layout = list[tuple[tuple[int, ...], torch.dtype]]
 """A stage message's (shape, dtype) per tensor."""
@@ -48,7 +49,7 @@ def check_message(announced: list[Layout], index: int, tensors, stage: int) -> N
     actual = [(tuple(t.shape), t.dtype) for t in tensors]
     if index < len(announced) and actual == announced[index]:
         return
-    expected = _describe(announced[index]) if index < len(announced) else f"nothing ({len(announced)} micro-batches)"
+    expected = _describe(announced[index]) if index < len(announced) else f"nothing ({count(len(announced), 'micro-batch', 'micro-batches')})"
     raise ValueError(f"pipeline stage {stage} sends micro-batch {index} as {_describe(actual)}, but {expected} was "
                      "announced (engine.expect and the module's message_layout); the next stage receives into "
                      "the announced shapes and dtypes")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from parallel.zb_timeline import Order, one_f_one_b_order, simulate, zb_h1_order
+from parallel.zb_timeline import Order, one_f_one_b_order, zb_h1_order
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,3 @@ def schedule_of(name: str) -> Schedule:
     return SCHEDULES[name]
 
 
-def makespan(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
-    """Time from the first forward to the last op of any stage, under the schedule of that name
-    (parallel/schedules.py)."""
-    return max(ops[-1][1] for ops in simulate(stages, micro_batches, cost, schedule_of(schedule).order))
-
-
-def bubble_fraction(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
-    """Idle fraction of a step, 1 − m·(F + B + W) / makespan, all stages costing `cost`."""
-    work = micro_batches * (cost["F"] + cost["B"] + cost["W"])
-    return 1.0 - work / makespan(stages, micro_batches, cost, schedule)

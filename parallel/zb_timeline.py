@@ -134,12 +134,6 @@ def tuned_schedule_span(stages: int, micro_batches: int, cost: dict[str, float] 
     return next((*choice, span) for choice, span in zip(candidates, spans) if span <= best * (1.0 + tolerance))
 
 
-def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
-                 max_pending: int | None = None) -> list[list[tuple[str, int]]]:
-    """tuned_schedule's orders."""
-    return tuned_schedule(stages, micro_batches, cost, max_pending)[0]
-
-
 def pending_peak(order: list[tuple[str, int]]) -> int:
     """Most micro-batches whose W is still pending when a stage starts a B (its memory beyond
     1F1B's: the micro-batch in B turns its activations into its own W tensors)."""

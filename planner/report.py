@@ -6,6 +6,7 @@ from model.config import ModelConfig
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.devices import Device
 from planner.planner import layer_params
+from schema.text import count
 
 
 def params_of(model: ModelConfig) -> float:
@@ -112,12 +113,22 @@ def own_row(own, best, dev: Device, budget: tuple[str, float] | None, gpus: int,
     if own.peak_bytes > usable:
         lines.append(f"- It does not fit: its heaviest stage needs {own.peak_bytes / 2**30:.1f} GiB of "
                      f"{usable / 2**30:.1f} usable per GPU.")
-    if own.layout.world != gpus:
-        lines.append(f"- It uses {own.layout.world} GPUs, not the {gpus} planned for.")
+    other = own.layout.world != gpus
+    if other:
+        lines.append(f"- It uses {count(own.layout.world, 'GPU')}, not the {gpus} planned for (its pipeline × "
+                     "tensor-parallel size does not divide them); compared per GPU.")
     if best is not None and own.peak_bytes <= usable:
-        lines.append(f"- The best layout above reaches {best.tokens_per_s / own.tokens_per_s - 1:+.1%} throughput "
+        gain = (best.tokens_per_s / gpus) / (own.tokens_per_s / own.layout.world) - 1
+        lines.append(f"- The best layout above reaches {gain:+.1%} throughput{' per GPU' if other else ''} "
                      "against it.")
     return lines
+
+
+LEGEND = ("Layout: ppP·tpT·dpD = P pipeline stages × T-way tensor parallelism × D replicas; m = micro-batches "
+          "per step; mb=B×(S+T) = B sentence pairs of S source + T target tokens per micro-batch; acK = recompute "
+          "every K layers (no-ac: none); then the precision; zb-h1(w=N) = the ZB-H1 schedule keeping at most N "
+          "weight passes waiting (-1: no bound), else 1F1B.")
+"""What the layout column of the tables says (Candidate.describe, planner/planner.py), under the table."""
 
 
 def config_snippet(best, dev: Device) -> list[str]:
@@ -139,5 +150,5 @@ def config_snippet(best, dev: Device) -> list[str]:
     return ["The best layout as config keys (replace these in the config's sections):", "", "```yaml",
             *"\n".join(text).splitlines(), "```", "",
             f"or on the command line: {flags}",
-            f"(a SLURM job of {nodes} node(s) × {per_node} GPUs: ./run.sh slurm CONFIG --nodes {nodes} "
+            f"(a SLURM job of {count(nodes, 'node')} × {count(per_node, 'GPU')}: ./run.sh slurm CONFIG --nodes {nodes} "
             f"--gpus-per-node {per_node})"]

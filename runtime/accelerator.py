@@ -91,11 +91,6 @@ def keep_freed_host_memory(kept: int = HOST_MEMORY_KEPT) -> bool:
     return libc.mallopt(m_mmap_threshold, ctypes.c_int(kept)) == 1 and trimmed
 
 
-def backend() -> str:
-    """torch.distributed backend for the accelerator (gloo on CPU, nccl on GPUs)."""
-    return _BACKENDS[device_type()]
-
-
 def collective_fault_env(device: str | None = None) -> dict[str, str]:
     """Environment under which a collective fails, instead of hanging, once a rank is lost, on
     `device` (default: this process's); set before the process group exists (runtime/distributed.py
@@ -176,13 +171,6 @@ def warn_on_sync(enabled: bool) -> bool:
     return True
 
 
-def empty_cache() -> None:
-    import torch
-
-    if not on_host():
-        torch.cuda.empty_cache()
-
-
 def reset_peak_memory() -> int:
     """Restart the allocator's high-water mark; returns the bytes allocated now (GPU only)."""
     import torch
@@ -197,12 +185,6 @@ def peak_memory() -> int:
     import torch
 
     return torch.cuda.max_memory_allocated()
-
-
-def memory_allocated() -> int:
-    import torch
-
-    return torch.cuda.memory_allocated()
 
 
 def supports(dtype) -> bool:

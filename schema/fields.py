@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from schema.text import count
+
 PATH_RULE = "a relative path in a config is from the config file's folder, with --set from yours"
 """How the path keys' relative values are read (trainer/config.py `anchor_path`); every error about
 a path that is not there gives it."""
@@ -112,7 +114,7 @@ def _typed(value, base, key: str, build):
     if origin in (list, tuple) and isinstance(value, (list, tuple)):
         args = typing.get_args(base)
         if origin is tuple and len(args) != len(value):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            raise ConfigError(f"{key}: expected {count(len(args), 'value')}, got {len(value)}")
         items = [coerce(args[0] if origin is list else args[i], v, f"{key}[{i}]", build) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (list, tuple):
@@ -146,11 +148,44 @@ def check_fields(obj, section: str) -> None:
             coerce(hints[f.name], value, f"{section}.{f.name}", lambda cls, v, key: v)
 
 
-def from_dict(cls, values: dict, where: str, prefix: str = ""):
+def leaf_keys(cls, prefix: str = "") -> list[str]:
+    """The dotted name of every key of the dataclass tree `cls` (sections walked into; a mapping
+    field such as clusters: is one key)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    keys = []
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        keys += leaf_keys(typ, f"{prefix}{f.name}.") if dataclasses.is_dataclass(typ) else [prefix + f.name]
+    return keys
+
+
+def did_you_mean(word, prefix: str, known: list[str], root=None, aliases: dict | None = None) -> str:
+    """' (did you mean KEY?)' for the unknown key `prefix + word` (known: the keys of its section),
+    or ''. With `root`, the dataclass of the whole config, the words people use for a key
+    (`aliases`: learning_rate → train.lr) and a key of this name in another section (top-level
+    precision → parallel.precision) come first; then the nearest spelling in the section, then
+    the nearest key name anywhere."""
+    norm = str(word).strip().lower().replace("-", "_")
+    options: list[str] = []
+    keys = leaf_keys(root) if root is not None else []
+    if root is not None:
+        options = list((aliases or {}).get(norm, ())) or [k for k in keys if k.rpartition(".")[2] == norm]
+    if not options:
+        options = [prefix + close for close in difflib.get_close_matches(str(word), known, n=1)]
+    if not options and keys:
+        names = list(dict.fromkeys(k.rpartition(".")[2] for k in keys))
+        close = difflib.get_close_matches(norm, names, n=1, cutoff=0.75)
+        options = [k for k in keys if close and k.rpartition(".")[2] == close[0]]
+    return f" (did you mean {' or '.join(options)}?)" if options else ""
+
+
+def from_dict(cls, values: dict, where: str, prefix: str = "", *, root=None, aliases: dict | None = None):
     """Build dataclass `cls` from a mapping read from file `where`; `prefix` is the key path of
     the mapping ("model."). Unknown keys, wrong types, values outside the enumeration or bounds
     declared in the field annotations and broken rules of the dataclass raise a ConfigError that
-    names the file and the key."""
+    names the file and the key; an unknown key's hint (`did_you_mean`) searches the whole config
+    `root` (default `cls` at the top level) and `aliases`."""
+    root = cls if root is None and not prefix else root
     section = prefix.rstrip(".") or "the top level"
     if values is None:
         raise ConfigError(f"{where}: {section} is empty; give its keys or remove it")
@@ -160,19 +195,18 @@ def from_dict(cls, values: dict, where: str, prefix: str = ""):
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [str(k) for k in values if k not in known]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        hint = did_you_mean(unknown[0], prefix, known, root, aliases)
         raise ConfigError(f"{where}: unknown key {prefix}{unknown[0]}{hint}; the keys{' of ' + section if prefix else ''} "
                           f"are {', '.join(known)}")
 
-    def build(item_cls, mapping, key):
+    def build(item_cls, mapping, key):  # an entry of a mapping field (clusters.NAME): its own keys only
         return from_dict(item_cls, mapping, where, f"{key}.")
 
     kwargs = {}
     for name, value in values.items():
         typ = hints[name]
         if dataclasses.is_dataclass(typ):
-            kwargs[name] = from_dict(typ, value, where, f"{prefix}{name}.")
+            kwargs[name] = from_dict(typ, value, where, f"{prefix}{name}.", root=root, aliases=aliases)
             continue
         try:
             kwargs[name] = coerce(typ, value, f"{prefix}{name}", build)

@@ -95,6 +95,27 @@ def test_universal_checkpoint_consolidates_to_the_same_weights(trained):
         assert torch.equal(original[name], value), name
 
 
+def test_average_finds_the_universal_checkpoint_of_a_resharded_run(trained, tmp_path, capsys):
+    """A resharded run keeps `universal-stepN` beside the checkpoints it trains itself; `convert
+    average --last/--steps` counts it as consolidate, translate and train do."""
+    run = tmp_path / "resharded"
+    shutil.copytree(trained["run_dir"] + "-pp1dp2", run, symlinks=True)
+    shutil.copytree(os.path.join(trained["run_dir"], "checkpoints", f"step{STEPS}"), run / "checkpoints" / f"step{STEPS}")
+    assert cli(["convert", "average", str(run), "--last", "2"]) == 0, capsys.readouterr().err
+    averaged = load_model(str(run / f"model-average-universal-step{SAVE_AT}-step{STEPS}.pt"))
+    assert [a["step"] for a in averaged.meta["source"]["averaged"]] == [SAVE_AT, STEPS]
+    first = load_model(trained["run_dir"], tag=f"step{SAVE_AT}").model.state_dict()
+    last = load_model(trained["run_dir"], tag=f"step{STEPS}").model.state_dict()
+    for name, value in averaged.model.state_dict().items():
+        assert torch.equal(value, (first[name].float() + last[name].float()) / 2), name
+    capsys.readouterr()
+    assert cli(["convert", "average", str(run), "--steps", str(SAVE_AT), "--out", str(tmp_path / "one.pt")]) == 0
+    assert load_model(str(tmp_path / "one.pt")).meta["source"]["averaged"][0]["checkpoint"].endswith(
+        f"universal-step{SAVE_AT}")
+    assert cli(["convert", "average", str(run), "--steps", "3", "--out", str(tmp_path / "none.pt")]) == 2
+    assert capsys.readouterr().err == f"error: {run} has no checkpoint of step 3 (it has: universal-step{SAVE_AT}, step{STEPS})\n"
+
+
 def test_tensor_parallel_shards_consolidate_to_the_pipelines_model(trained):
     from data.batching import PairDataset, eval_batches
     from model.transformer import smoothed_loss_sum

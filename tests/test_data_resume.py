@@ -17,6 +17,7 @@ from data.dataset import PairDataset
 from data.gettext_corpus import catalog_pairs, django_locale_root, find_catalogs
 from data.prepare import prepare_data, split_prefix
 from data.sampling import permute, temperature_probs
+from tests.test_data import epoch_batches
 
 # Languages of other scripts than the bundled default's; en-uk is cut to a tenth so that
 # temperature sampling has something to do.
@@ -136,7 +137,7 @@ def test_sampling_frequencies_follow_the_temperature_formula(reference):
     for temperature in (1.0, 2.0, 5.0):
         stream = BatchStream(train, 300, seed=1, temperature=temperature, window=400)
         expected = sizes.sum() * temperature_probs(sizes, temperature)
-        directions, rows = train.locate(np.concatenate(stream.epoch_batches(0)))
+        directions, rows = train.locate(np.concatenate(epoch_batches(stream, 0)))
         counts = np.bincount(directions, minlength=len(sizes))
         assert np.all(np.abs(counts - expected) <= 0.5 + 1e-9), (temperature, counts, expected)
         for d in range(len(sizes)):

@@ -40,7 +40,7 @@ except ValueError as e:
     refused = str(e)
 print(json.dumps({"coords": [layout.rank, layout.stage, layout.replica, layout.tp_rank],
                   "sizes": [layout.pp, layout.tp, layout.dp, layout.world_size],
-                  "ends": [layout.first_stage, layout.last_stage], "device": str(layout.device),
+                  "ends": [layout.stage == 0, layout.last_stage], "device": str(layout.device),
                   "groups": groups, "refused": refused}))
 """
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
@@ -53,5 +53,5 @@ print(json.dumps({"coords": [layout.rank, layout.stage, layout.replica, layout.t
     assert out["coords"] == [0, 0, 0, 0] and out["sizes"] == [1, 1, 1, 1] and out["ends"] == [True, True]
     assert out["device"] == "cpu"
     assert out["groups"] == {"pipe": [0], "data": [0], "tensor": [0]}
-    assert out["refused"] == ("1 processes were launched but parallel.pipeline_stages × tensor_parallel × "
+    assert out["refused"] == ("1 process was launched but parallel.pipeline_stages × tensor_parallel × "
                               "data_parallel = 2 × 1 × 1 = 2")

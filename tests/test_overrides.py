@@ -34,6 +34,13 @@ def test_set_changes_keys_with_the_types_yaml_gives(config):
 @pytest.mark.parametrize("item, words", [
     ("train.max_stepz=400", ["--set train.max_stepz", "unknown key", "did you mean train.max_steps?"]),
     ("trian.max_steps=400", ["--set trian.max_steps", "unknown key trian", "did you mean train?"]),
+    ("train.learning_rate=1e-3", ["--set train.learning_rate: unknown key train.learning_rate (did you mean train.lr?)"]),
+    ("model.layers=12", ["unknown key model.layers (did you mean model.encoder_layers or model.decoder_layers?)"]),
+    ("parallel.stages=2", ["unknown key parallel.stages (did you mean parallel.pipeline_stages?)"]),
+    ("precision=bf16", ["--set precision: unknown key precision (did you mean parallel.precision?)"]),
+    ("tp=2", ["unknown key tp (did you mean parallel.tensor_parallel?)"]),
+    ("train.batch_size=4096", ["unknown key train.batch_size (did you mean data.max_tokens?)"]),
+    ("max_step=4", ["unknown key max_step (did you mean train.max_steps?)"]),
     ("train.max_steps=many", ["--set train.max_steps='many'", "integer"]),
     ("train.max_steps=4.5", ["--set train.max_steps=4.5", "integer"]),
     ("train.max_steps=0", ["--set train.max_steps=0", ">= 1"]),
@@ -115,3 +122,22 @@ def test_the_ranks_read_the_resolved_config(tmp_path, config):
         assert os.path.basename(path) == "cfg.yaml" and open(path).readline().startswith(f"# {config}")
     assert not os.path.exists(path)
     assert load_config(config).train.max_steps == 2  # the file itself is unchanged
+
+
+def test_the_usual_names_point_at_keys_the_config_has():
+    """Every word of the hint table (trainer/key_aliases.py) names keys that exist and is no key's own
+    name (that one is found without the table), and the hints of a few reach the same key from
+    --set and from a YAML file."""
+    from schema.fields import did_you_mean, leaf_keys
+    from trainer.config import RunConfig
+    from trainer.key_aliases import KEY_ALIASES
+
+    keys = leaf_keys(RunConfig)
+    names = {key.rpartition(".")[2] for key in keys}
+    assert len(KEY_ALIASES) >= 60 and not set(KEY_ALIASES) & names
+    assert all(target in keys for targets in KEY_ALIASES.values() for target in targets)
+    for word, want in (("learning_rate", "train.lr"), ("warmup", "train.warmup_steps"), ("pp", "parallel.pipeline_stages"),
+                       ("hidden_size", "model.d_model"), ("num_layers", "model.encoder_layers or model.decoder_layers"),
+                       ("clip_grad", "train.clip_norm"), ("dp", "parallel.data_parallel"),
+                       ("max_update", "train.max_steps"), ("Learning-Rate", "train.lr")):
+        assert did_you_mean(word, "train.", [], RunConfig, KEY_ALIASES) == f" (did you mean {want}?)", word

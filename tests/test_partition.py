@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 
 import pytest
 
-from parallel.partition import bottleneck, partition_balanced
+from parallel.partition import partition_balanced
+
+
+def bottleneck(weights: list[float], bounds: list[int]) -> float:
+    """The cost of the heaviest stage of a partition given as stage bounds (p + 1 indices)."""
+    return max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
 
 
 def exact_bottleneck(weights: list[float], parts: int) -> float:

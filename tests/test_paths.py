@@ -56,7 +56,7 @@ def test_prepare_from_another_folder_with_home_and_variable_paths(tmp_path):
 def test_relative_paths_inside_a_config_are_from_its_folder_and_on_the_command_line_from_the_callers(tmp_path):
     """A config kept beside its corpus, used from another folder: `run_dir: runs/x` and `corpus:
     corpus` are the config's neighbours; `--set run_dir=here` is the caller's; a bundled config is
-    named alone and puts its run beside the repository's configs/ (`run_dir: ../runs/default`)."""
+    named alone and puts its run beside the repository's configs/ (`run_dir: ../runs/{config}`: runs/default)."""
     project, caller = tmp_path / "project", tmp_path / "caller"
     caller.mkdir()
     good_corpus(project)  # project/corpus
@@ -66,7 +66,8 @@ def test_relative_paths_inside_a_config_are_from_its_folder_and_on_the_command_l
     (project / "mine.yaml").write_text(yaml.safe_dump(cfg))
     proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0"], caller, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"RUN_DIR={project}/runs/x\n" in proc.stdout and (project / "runs" / "x" / "slurm" / "job.sbatch").exists()
+    assert f"RUN_DIR={project}/runs/x\n" in (project / "runs" / "x" / "slurm" / "job.sbatch").read_text()
+    assert f"; the run: {project}/runs/x\n" in proc.stdout
     with open(project / "runs" / "x" / "slurm" / "config.yaml") as f:
         assert yaml.safe_load(f)["data"]["corpus"] == str(project / "corpus")
     proc = run_sh(["slurm", "../project/mine.yaml", "--nodes", "1", "--gpus-per-node", "0", "--set", "run_dir=here"],
@@ -117,3 +118,34 @@ def test_every_path_key_that_is_not_there_gets_the_path_and_the_rule(key, value,
     (project / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     code, out, err = run_cli([command, str(project / "cfg.yaml")], capsys)
     assert_one_line_error(code, out, err, [key, says.format(project=project), PATH_RULE])
+
+
+def test_a_copied_config_gets_a_run_directory_of_its_own(tmp_path, capsys, no_launch):
+    """run_dir's `{config}` is the config file's name: the bundled configs say `../runs/{config}`,
+    so a copy trains in runs/<its name>, not in the original's run; a config without run_dir gets
+    runs/<its name> beside it. The default config keeps runs/default."""
+    import shutil
+
+    from trainer.config import load_config
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    shutil.copy(os.path.join(ROOT, "configs", "default.yaml"), configs / "mine.yaml")
+    assert load_config(str(configs / "mine.yaml")).run_dir == str(tmp_path / "runs" / "mine")
+    assert load_config(os.path.join(ROOT, "configs", "default.yaml")).run_dir == os.path.join(ROOT, "runs", "default")
+    cfg = base_config(tmp_path, str(tmp_path / "no-corpus"))
+    del cfg["run_dir"]
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump(cfg))
+    assert load_config(str(tmp_path / "exp.yaml")).run_dir == str(tmp_path / "runs" / "exp")
+    # --set (from the caller's folder) and --run-dir name it too
+    named = load_config(str(tmp_path / "exp.yaml"), sets=["run_dir=out/{config}-b"], cwd=str(tmp_path / "here"))
+    assert named.run_dir == str(tmp_path / "here" / "out" / "exp-b")
+    # a config without run_dir whose former default (runs/default beside it) holds a run: said before anything
+    (tmp_path / "runs" / "default").mkdir(parents=True)
+    (tmp_path / "runs" / "default" / "config.json").write_text("{}")
+    code, out, err = run_cli(["train", str(tmp_path / "exp.yaml")], capsys)
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 2 and lines[1].startswith("error: data.corpus: "), err
+    assert lines[0] == (f"note: {tmp_path}/exp.yaml names no run_dir, so it trains in {tmp_path}/runs/exp (runs/{{config}} "
+                        f"beside it); {tmp_path}/runs/default holds the run such a config had before: set run_dir: "
+                        "runs/default in it to resume that run")

@@ -52,4 +52,24 @@ def test_plan_prices_the_configs_own_layout_and_prints_the_best_as_keys(capsys, 
     code, out, err = run_cli(["plan", DEFAULT, "--gpu", "a100-80gb", "--gpus", "8", "--set",
                               "parallel.pipeline_stages=1", "--set", "parallel.data_parallel=4"], capsys)
     assert code == 0, err
-    assert "| config: pp1·tp1·dp4 m=4 " in out and "- It uses 4 GPUs, not the 8 planned for." in out
+    # ... and a layout of 4 GPUs is scaled to the 8 planned for, keeping its global batch
+    assert "| config: pp1·tp1·dp8 m=2 " in out and "It uses" not in out
+    assert ("The config's own layout (scaled from 4 to 8 GPUs: data_parallel 4 → 8, train.micro_batches 4 → 2, the "
+            "same global batch):") in out
+
+
+def test_the_plan_explains_its_layout_notation_under_the_table(capsys):
+    from planner.report import LEGEND
+
+    code, out, err = run_cli(["plan", DEFAULT, "--gpu", "a100-80gb", "--top", "2"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("| pp")]
+    assert len(rows) == 2 and lines[rows[-1] + 1:rows[-1] + 3] == ["", LEGEND]
+    assert LEGEND.startswith("Layout: ppP·tpT·dpD = P pipeline stages × T-way tensor parallelism × D replicas; "
+                             "m = micro-batches per step; mb=B×(S+T) = B sentence pairs of S source + T target "
+                             "tokens per micro-batch; acK = recompute every K layers (no-ac: none)")
+    # no layout fits: the leanest is named in the same notation, and explained the same way
+    code, out, err = run_cli(["plan", DEFAULT, "--gpu", "v100", "--set", "model.d_model=16384",
+                              "--set", "model.ffn_dim=65536", "--set", "model.heads=64"], capsys)
+    assert code == 1 and "No layout fits: the leanest (pp" in out and f"\n{LEGEND}\n" in out, out

@@ -10,6 +10,7 @@ the config without a rule, or an honoured key without a test here, fails
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -183,6 +184,16 @@ def test_the_changed_settings_are_in_train_log(resumed):
     changes = lines[0].split(": ", 1)[1].split("; ")
     assert sorted(change.split(" ")[0] for change in changes) == sorted(CHANGED), changes
     assert "train.clip_norm 0.0 → 0.001" in changes
+
+
+def test_the_new_batch_order_is_said_once_in_train_log(resumed):
+    """data.max_tokens, sampling_temperature and directions changed: the stream starts a new epoch,
+    which rank 0 says once, on the console and in train.log (not a warning from every rank)."""
+    lines = [line.split(" | ", 1)[1] for line in resumed[0]["ran"]["log"] if "the batch order changed" in line]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"the batch order changed since the checkpoint \(data\.max_tokens, data\.sampling_temperature, "
+                        r"data\.directions, the training examples\): the data stream continues at the start of epoch "
+                        r"\d+, not where the checkpoint left it", lines[0]), lines[0]
 
 
 def test_train_keep_checkpoints(resumed):

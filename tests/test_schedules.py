@@ -10,12 +10,20 @@ import json
 
 import pytest
 
-from parallel.schedules import SCHEDULES, bubble_fraction
+from parallel.schedules import SCHEDULES
+from parallel.zb_timeline import simulate
 from tests.conftest import launch, write_run_config
 from tests.reference import assert_parameters_equal, assert_steps_equal, load_params, reference_run
 from trainer.config import ConfigError, load_config
 
 STEPS, CLIP = 3, 0.05
+
+
+def bubble_fraction(stages: int, micro_batches: int, cost: dict[str, float], schedule: str = "zb-h1") -> float:
+    """Idle fraction of a step under the registry's schedule of that name, 1 − m·(F + B + W) / the
+    simulated makespan, all stages costing `cost`."""
+    makespan = max(ops[-1][1] for ops in simulate(stages, micro_batches, cost, SCHEDULES[schedule].order))
+    return 1.0 - micro_batches * (cost["F"] + cost["B"] + cost["W"]) / makespan
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,7 @@ def test_a_set_that_changes_the_tokens_per_step_says_so_before_the_job_is_writte
     for words in ("configs/deepnet-100-100.yaml's 128 × 4 × 2048 = 1,048,576", "to 16 × 4 × 2048 = 131,072",
                   "--keep-batch sets train.micro_batches=32 for 1,048,576"):
         assert words in warning, words
-    assert lines[1].startswith("wrote ")  # said before the job was written
+    assert len(lines) == 1 and out.startswith("wrote ")  # said (before the job was written), once
     assert ("# Tokens per step: data_parallel × train.micro_batches × data.max_tokens = 16 × 4 × 2048 = 131,072 "
             "(configs/deepnet-100-100.yaml: 1,048,576)") in script
     assert job_config(tmp_path)["train"]["micro_batches"] == 4
@@ -114,7 +114,7 @@ def test_cpus_per_task_comes_from_the_node_and_says_how(tmp_path):
                                     sinfo="debug 64\\ntest* 4\\n")
     assert code == 0, err
     assert "#SBATCH --cpus-per-task=4" in script
-    assert "--cpus-per-task=4 = 4 CPUs per node (sinfo -p test -o %c) / 1 ranks per node" in script
+    assert "--cpus-per-task=4 = 4 CPUs per node (sinfo -p test -o %c) / 1 rank per node" in script
     # sinfo without an answer: this machine's CPUs, said to be a guess, in the script and once on stderr
     code, _, err, script, _ = slurm(tmp_path, *flags)
     n = max(1, (os.cpu_count() or 1) // 8)
@@ -131,10 +131,19 @@ def test_dry_run_writes_the_job_without_the_corpus_and_submits_nothing(tmp_path)
     code, out, err, script, calls = slurm(tmp_path, PAPER, "--cluster", "a100-80gb-x64", "--dry-run",
                                           sinfo="gpu* 128\\n")
     assert code == 0, err
-    assert out.startswith("#!/bin/bash") and "#SBATCH --nodes=8" in script and calls == ""
+    assert "#SBATCH --nodes=8" in script and calls == ""
+    # what the user needs, not the script: where it is, the job's facts, how to submit it
+    run = tmp_path / "run"
+    assert out.splitlines()[:4] == [
+        f"wrote {run}/slurm/job.sbatch and the config it reads, {run}/slurm/config.yaml",
+        "  job deepnet-100-100: 8 nodes × 8 ranks per node = 64 ranks (pp=1 × tp=1 × dp=64; 8 GPUs each, NCCL; "
+        "--cpus-per-task=16), the partition's time limit",
+        "  Tokens per step: data_parallel × train.micro_batches × data.max_tokens = 64 × 4 × 4096 = 1,048,576",
+        f"  logs: {run}/slurm/logs/deepnet-100-100-<job id>.out; the run: {run}"], out
+    assert len(out.splitlines()) == 5 and "#!/bin/bash" not in out and "#SBATCH" not in out
     assert "note: --dry-run: data.corpus: " in err and "does not exist" in err
     assert "# Written with --dry-run without the corpus: data.corpus: " in script
-    assert "--dry-run: nothing submitted; once the corpus is there: ./run.sh slurm " in err
+    assert out.splitlines()[4].startswith("--dry-run: nothing submitted; once the corpus is there: ./run.sh slurm ")
     assert subprocess.run(["bash", "-n", str(tmp_path / "run" / "slurm" / "job.sbatch")]).returncode == 0
     code, _, err, _, calls = slurm(tmp_path, PAPER, "--cluster", "a100-80gb-x64", "--dry-run", "--submit")
     assert code == 2 and err == "error: --dry-run submits nothing; leave out --submit (or --dry-run)\n" and calls == ""
@@ -143,3 +152,4 @@ def test_dry_run_writes_the_job_without_the_corpus_and_submits_nothing(tmp_path)
     code, out, err, _, calls = slurm(tmp_path, PAPER, "--cluster", "a100-80gb-x64", "--submit", "--set",
                                      f"data.corpus={corpus}", sinfo="gpu* 128\\n")
     assert code == 0 and "submitted job 4242" in out and calls.count("--parsable") == 1, err
+    assert out.startswith(f"wrote {tmp_path}/run/slurm/job.sbatch ") and "#!/bin/bash" not in out

@@ -131,7 +131,7 @@ def test_a_rank_that_fails_after_joining_the_group_exits_with_its_message_and_st
                           text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: 1 processes were launched but parallel.pipeline_stages"), last
+    assert last.startswith("error: 1 process was launched but parallel.pipeline_stages"), last
     assert "Traceback" not in proc.stderr
 
 

@@ -9,12 +9,11 @@ from deepspeed.runtime.pipe import schedule as ds
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer
-from parallel.schedules import bubble_fraction
 from parallel.zb_timeline import (filled_order, fixed, one_f_one_b_order, pending_peak,
-                                  schedule_candidates, simulate, tuned_orders, tuned_schedule, with_first_stage_share,
-                                  zb_h1_order)
+                                  schedule_candidates, simulate, tuned_schedule, with_first_stage_share, zb_h1_order)
 from parallel.weight_split import WeightGradStore, split_weight_gradients
 from parallel.zero_bubble import WeightPass, stage_instructions
+from tests.test_schedules import bubble_fraction
 
 
 def _cfg(norm: str) -> ModelConfig:
@@ -269,7 +268,7 @@ def test_config_refuses_what_zb_h1_does_not_support(tmp_path, parallel, train, m
 @pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 7) for m in (p, 2 * p)])
 def test_filled_order_fills_the_cooldown_within_one_more_pending_w(p, m):
     """Stage s keeps at most s + 1 W pending (one more than the paper's order; the cap bounds it),
-    every op appears once; tuned_orders keeps the paper's order at equal costs and picks whichever
+    every op appears once; tuned_schedule keeps the paper's order at equal costs and picks whichever
     is faster with W at 0.6 of F and B (the filled one at pp = 2)."""
     for s in range(p):
         order = filled_order(p, m, s)
@@ -281,7 +280,7 @@ def test_filled_order_fills_the_cooldown_within_one_more_pending_w(p, m):
         assert filled_order(p, m, s, max_pending=0) == zb_h1_order(p, m, s, max_pending=0)
     paper = [zb_h1_order(p, m, s) for s in range(p)]
     filled = [filled_order(p, m, s) for s in range(p)]
-    assert tuned_orders(p, m) == paper
+    assert tuned_schedule(p, m)[0] == paper
     cheap = {"F": 1.0, "B": 1.0, "W": 0.6}
     span = {name: max(ops[-1][1] for ops in simulate(p, m, cheap, fixed(orders)))
             for name, orders in (("paper", paper), ("filled", filled))}
@@ -292,7 +291,7 @@ def test_filled_order_fills_the_cooldown_within_one_more_pending_w(p, m):
     spans = [max(ops[-1][1] for ops in simulate(p, m, with_first_stage_share(cheap, p, f), fixed(o)))
              for o, f in candidates]
     first = next(i for i, x in enumerate(spans) if x <= min(spans) * 1.005)  # least memory within 0.5%
-    assert (orders, share) == candidates[first] and tuned_orders(p, m, cheap) == orders
+    assert (orders, share) == candidates[first] and tuned_schedule(p, m, cheap)[0] == orders
 
 
 def test_tuned_schedule_on_measured_costs_defers_a_share_of_the_first_stage():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import os
 import re
 import stat
@@ -19,7 +18,8 @@ from data.config import GETTEXT_PREFIX, DataConfig
 from model.config import ModelConfig
 from parallel.config import ParallelConfig
 from parallel.schedules import SCHEDULES
-from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, field_checks, from_dict
+from schema.fields import ConfigError, NonNegative, Positive, Rule, coerce, did_you_mean, field_checks, from_dict
+from trainer.key_aliases import KEY_ALIASES
 from trainer.train_config import TrainConfig
 
 FolderPath = Annotated[str, Rule(lambda v: bool(v.strip()) and "\0" not in v, "must be a folder path")]
@@ -49,8 +49,9 @@ class ClusterLayout:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    run_dir: FolderPath = "runs/default"
-    """Where data, checkpoints, logs and the summary go. An existing run directory is resumed."""
+    run_dir: FolderPath = "runs/{config}"
+    """Where data, checkpoints, logs and the summary go; `{config}` is the config file's name without
+    its extension, so that a copied config gets a run of its own. An existing run directory is resumed."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -169,8 +170,8 @@ def _set_annotation(key: str):
         here = ".".join(parts[:i + 1])
         if part not in hints:
             section = f" of {'.'.join(parts[:i])}" if i else ""
-            close = difflib.get_close_matches(part, list(hints), n=1)
-            hint = f" (did you mean {'.'.join([*parts[:i], close[0]])}?)" if close else ""
+            prefix = "".join(f"{p}." for p in parts[:i])
+            hint = did_you_mean(part, prefix, list(hints), RunConfig, KEY_ALIASES)
             raise ConfigError(f"--set {key}: unknown key {here}{hint}; the keys{section} are {', '.join(hints)}")
         annotation = hints[part]
         if dataclasses.is_dataclass(annotation):
@@ -189,12 +190,13 @@ def _set_annotation(key: str):
     return None
 
 
-def apply_sets(values: dict, sets: list[str], cwd: str | None = None) -> dict:
+def apply_sets(values: dict, sets: list[str], cwd: str | None = None, name: str | None = None) -> dict:
     """The raw config mapping `values` with every `--set KEY=VALUE` of `sets` applied (later ones
     win). Each value is checked against its field's annotation by the same code as the YAML file
     (schema/fields.py), so an unknown key or a value of the wrong type or range is a ConfigError that
     names `--set KEY`; rules across keys are checked when the whole config is built. A relative
-    path (PATH_KEYS) is taken from `cwd`, the caller's folder (default this process's)."""
+    path (PATH_KEYS) is taken from `cwd`, the caller's folder (default this process's); `{config}` in
+    run_dir is `name`, the config file's name without its extension."""
     for item in sets:
         key, value = parse_set(item)
         annotation = _set_annotation(key)
@@ -203,7 +205,7 @@ def apply_sets(values: dict, sets: list[str], cwd: str | None = None) -> dict:
         if annotation is not None:
             try:
                 if key in PATH_KEYS:
-                    value = anchor_path(value, key, cwd or os.getcwd())
+                    value = anchor_path(value, key, cwd or os.getcwd(), name)
                 coerce(annotation, value, key)
             except ConfigError as e:
                 raise ConfigError(f"--set {e}") from None
@@ -228,6 +230,8 @@ PATH_KEYS = ("run_dir", "data.corpus", "data.spm_model", "train.init_from")
 one is made absolute (`anchor_path`): written in a config file, from the file's folder; given with
 --set or by a program (`overrides`), from the caller's folder (docs/configuration.md#paths)."""
 BUNDLED_PREFIX = "bundled:"
+CONFIG_NAME = "{config}"
+"""In run_dir: the config file's name without its extension (runs/{config} in configs/mine.yaml is runs/mine)."""
 _UNSET_VARIABLE = re.compile(r"\$(\w+|\{[^}]*\})")
 
 
@@ -249,9 +253,15 @@ def expand_path(value, key: str):
     return prefix + path
 
 
-def anchor_path(value, key: str, base: str):
+def anchor_path(value, key: str, base: str, name: str | None = None):
     """`value` (expanded) as an absolute path, a relative one taken from the folder `base` (after
-    `gettext:` in data.corpus; `bundled:…` names no path)."""
+    `gettext:` in data.corpus; `bundled:…` names no path); `{config}` in run_dir is `name`, the
+    config file's name without its extension."""
+    if key == "run_dir" and isinstance(value, str) and CONFIG_NAME in value:
+        if name is None:
+            raise ConfigError(f"run_dir={value!r}: {CONFIG_NAME} stands for a config file's name, and there is "
+                              "no config file here; write the folder out")
+        value = value.replace(CONFIG_NAME, name)
     value = expand_path(value, key)
     if not isinstance(value, str) or value.startswith(BUNDLED_PREFIX):
         return value
@@ -260,18 +270,19 @@ def anchor_path(value, key: str, base: str):
     return prefix + (os.path.normpath(os.path.join(base, path)) if path.strip() else path)
 
 
-def _anchor_paths(values: dict, where: str, base: str, skip: set[str] = frozenset()) -> None:
-    """The path keys of the raw mapping `values` (but those in `skip`) made absolute from the folder `base`."""
+def _anchor_paths(values: dict, where: str, base: str, name: str | None, skip: set[str] = frozenset()) -> None:
+    """The path keys of the raw mapping `values` (but those in `skip`) made absolute from the folder
+    `base` (`{config}` in run_dir: `name`)."""
     for key in PATH_KEYS:
         if key in skip:
             continue
-        *sections, name = key.split(".")
+        *sections, leaf = key.split(".")
         node = values
         for part in sections:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and name in node:
+        if isinstance(node, dict) and leaf in node:
             try:
-                node[name] = anchor_path(node[name], key, base)
+                node[leaf] = anchor_path(node[leaf], key, base, name)
             except ConfigError as e:
                 raise ConfigError(f"{where}: {e}") from None
 
@@ -281,6 +292,11 @@ def _has(values: dict, key: str) -> bool:
     for part in sections:
         values = values.get(part) if isinstance(values, dict) else None
     return isinstance(values, dict) and name in values
+
+
+def config_name(path: str) -> str:
+    """What `{config}` in run_dir stands for: the config file's name without its extension."""
+    return os.path.splitext(os.path.basename(path))[0]
 
 
 def load_config(path: str, overrides: dict | None = None, cluster: str | None = None,
@@ -293,26 +309,27 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
     Every layout is validated."""
     values = read_yaml(path)
     base, cwd = os.path.dirname(os.path.abspath(path)), cwd or os.getcwd()
+    name = config_name(path)
     values.setdefault("run_dir", RunConfig.run_dir)  # the default too is from the file's folder
     overrides = copy.deepcopy(overrides or {})
     sets = list(sets or [])
     replaced = {parse_set(item)[0] for item in sets} | {key for key in PATH_KEYS if _has(overrides, key)}
-    _anchor_paths(values, path, base, skip=replaced)  # (what --set or overrides replace is not the file's)
-    _anchor_paths(overrides, path, cwd)
+    _anchor_paths(values, path, base, name, skip=replaced)  # (what --set or overrides replace is not the file's)
+    _anchor_paths(overrides, path, cwd, name)
     for section, items in overrides.items():
         if isinstance(items, dict) and isinstance(values.get(section), dict):
             values[section].update(items)
         else:
             values[section] = items
-    apply_sets(values, sets, cwd)
+    apply_sets(values, sets, cwd, name)
     where = f"{path} with --set {' '.join(sets)}" if sets else path
-    cfg = from_dict(RunConfig, values, where)
+    cfg = from_dict(RunConfig, values, where, aliases=KEY_ALIASES)
     validate(cfg, where)
     for name, layout in cfg.clusters.items():
         at = f"{where}: clusters.{name}"
         merged = with_cluster(values, name, at)
-        _anchor_paths(merged, at, base)
-        laid_out = from_dict(RunConfig, merged, at)
+        _anchor_paths(merged, at, base, name)
+        laid_out = from_dict(RunConfig, merged, at, aliases=KEY_ALIASES)
         validate(laid_out, at)
         if layout.nodes * layout.gpus_per_node != laid_out.world_size:
             raise ConfigError(f"{at}: nodes × gpus_per_node = {layout.nodes} × {layout.gpus_per_node} "
@@ -320,9 +337,9 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
                               f"{laid_out.world_size}")
     if cluster is not None:
         laid_out = with_cluster(values, cluster, where)
-        _anchor_paths(laid_out, where, base)
-        apply_sets(laid_out, sets, cwd)
-        cfg = from_dict(RunConfig, laid_out, where)
+        _anchor_paths(laid_out, where, base, name)
+        apply_sets(laid_out, sets, cwd, name)
+        cfg = from_dict(RunConfig, laid_out, where, aliases=KEY_ALIASES)
         validate(cfg, f"{where} with clusters.{cluster}")
     return cfg
 
@@ -330,7 +347,7 @@ def load_config(path: str, overrides: dict | None = None, cluster: str | None = 
 def check_run_config(values: dict, where: str) -> None:
     """Raise ConfigError, naming the key, when the mapping `values` (a whole run config, as
     written by a program rather than read from a file) is not a valid run config."""
-    validate(from_dict(RunConfig, values, where), where)
+    validate(from_dict(RunConfig, values, where, aliases=KEY_ALIASES), where)
 
 
 def validate(cfg: RunConfig, where: str) -> None:

@@ -36,6 +36,7 @@ import statistics
 import torch
 
 from parallel.layout import Layout
+from schema.text import count
 from trainer import signals
 
 
@@ -123,7 +124,7 @@ class DivergenceGuard:
             median = statistics.median(self.recent)
             if loss > self.factor * median:
                 reason = (f"loss {loss:.4f} is {loss / median:.3g}× the median {median:.4f} of the last "
-                          f"{self.window} steps (train.divergence_spike_factor={self.factor:g})")
+                          f"{count(self.window, 'step')} (train.divergence_spike_factor={self.factor:g})")
         self.pending = {"loss": loss, "grad_norm": norm, "reason": reason}
         self.step_loss = loss
         return reason is not None

@@ -24,6 +24,7 @@ from checkpoint.init_from import agreed_source, load_into
 from model.norms import set_training_step, step_blocks
 from parallel.compiled import summary as compiled_summary
 from runtime import accelerator, heartbeat, rng
+from schema.text import count
 from trainer import metrics, signals
 from trainer.checkpointer import Checkpointer
 from trainer.config import RunConfig
@@ -112,7 +113,8 @@ class Trainer:
         self.checkpoints.attach(self.engine, self.module)
         self.compiled = bool(self.engine.compiled_layers)
         if self.compiled:
-            log0(f"compiling {', '.join(f'{n} {kind} layers' for kind, n in sorted(self.engine.compiled_layers.items()))} "
+            kinds = sorted(self.engine.compiled_layers.items())
+            log0(f"compiling {', '.join(count(n, f'{kind} layer') for kind, n in kinds)} "
                  f"on first use (train.compile={cfg.train.compile}; the first step takes longer, one graph per layer "
                  "kind)")
         self.ckpt_dir = self.checkpoints.ckpt_dir
@@ -124,9 +126,8 @@ class Trainer:
             from parallel.tensor import seed_tensor_parallel_rng
 
             seed_tensor_parallel_rng(cfg.train.seed + 1_000 * layout.stage + layout.replica, layout.tp_rank)
-        log0(f"pipeline partition ({layout.pp} stages × tensor-parallel {layout.tp} × {layout.dp} replicas, "
-             f"{sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n"
-             f"{self.module.describe_partition()}")
+        log0(f"pipeline partition ({count(layout.pp, 'stage')} × tensor-parallel {layout.tp} × {count(layout.dp, 'replica')}"
+             f", {sum(p.numel() for p in self.module.parameters())} parameters on rank 0):\n{self.module.describe_partition()}")
         self.train_data = PairDataset(os.path.join(self.data_dir, "train"), cfg.data.directions)
         self.valid_data = PairDataset(os.path.join(self.data_dir, "dev"), cfg.data.directions)
         self.stream = BatchStream(self.train_data, cfg.data.max_tokens, cfg.data.seed,
@@ -135,6 +136,8 @@ class Trainer:
         self.step = 0
         resumed = self.checkpoints.resume()
         self.restore(resumed)
+        if self.stream.order_changed:  # said once (rank 0), on the console and in train.log
+            note0(cfg.run_dir, self.stream.order_changed)
         if self.init_source is not None:
             s = self.init_source
             note0(cfg.run_dir, f"started from {s.path} (step {s.step}; train.init_from={s.given}): its weights only; "

@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+from schema.text import count
 from translate.translator import idle_cores, load_translator, progress_bar, threads
 
 
@@ -239,10 +240,10 @@ def evaluate(translator, sets: dict, options, spbleu: str, out_dir: str, log=pri
         sigs = scores.signatures()
         speed = {"sentences": len(texts), "seconds": seconds, "sentences_per_s": len(texts) / seconds,
                  "tokens_per_s": generated / seconds, "beam": options.beam, "on": threads()}
-        header = f"# {split}: {len(by_direction)} directions, beam {options.beam}, lenpen {options.lenpen}"
+        header = f"# {split}: {count(len(by_direction), 'direction')}, beam {options.beam}, lenpen {options.lenpen}"
         table = write_tables(os.path.join(out_dir, split), header, rows, columns, sigs, scores.notes)
         log(f"\n{header}\n\n{table}")
-        log(f"decoded {len(texts)} sentences in {seconds:.1f} s: {speed['sentences_per_s']:.1f} sentences/s, "
+        log(f"decoded {count(len(texts), 'sentence')} in {seconds:.1f} s: {speed['sentences_per_s']:.1f} sentences/s, "
             f"{speed['tokens_per_s']:.0f} tokens/s (beam {options.beam}, {threads()})")
         report[split] = {"rows": rows, "signatures": sigs, "speed": speed, "notes": scores.notes}
     # the model scored (its checkpoint and step, or the checkpoints it averages): the model card
@@ -262,7 +263,7 @@ def empty_hypotheses(empty: dict[str, list[str]], sets: dict) -> str:
     every = all(set(empty.get(split, [])) == set(by_direction) for split, by_direction in sets.items())
     if every:
         sentences = sum(len(sources) for by_direction in sets.values() for sources, _ in by_direction.values())
-        return (f"every hypothesis is empty ({sentences} sentences of {', '.join(sets)}): the model generated "
+        return (f"every hypothesis is empty ({count(sentences, 'sentence')} of {', '.join(sets)}): the model generated "
                 "no tokens, so its scores are 0 and its tokens/s say nothing")
     which = "; ".join(f"{split}: {', '.join(directions)}" for split, directions in empty.items())
     return f"every hypothesis of these directions is empty ({which}): the model generated no tokens for them"
@@ -277,7 +278,7 @@ def evaluate_after_training(run_dir: str, max_sentences: int) -> None:
 
     start = time.perf_counter()
     torch.set_num_threads(idle_cores())
-    print(f"\n== evaluation: first {max_sentences} test sentences per direction, beam 5 "
+    print(f"\n== evaluation: first {count(max_sentences, 'test sentence')} per direction, beam 5 "
           f"(./run.sh eval {run_dir} scores all) ==", flush=True)
     try:
         translator = load_translator(run_dir)

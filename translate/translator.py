@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 
 from runtime import accelerator
+from schema.text import count
 
 CHUNK_LINES = 2000  # lines decoded per call: bounds memory on long inputs, keeps batches full
 
@@ -99,7 +100,7 @@ def threads() -> str:
     """The compute the decoding ran on, for speed reports."""
     import torch
 
-    return "GPU" if on_gpu() else f"{torch.get_num_threads()} CPU thread(s)"
+    return "GPU" if on_gpu() else count(torch.get_num_threads(), "CPU thread")
 
 
 def progress_bar(total: int, what: str):

@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
     values = to_dict(cfg)
     changed = [k for k in table if _plain(_value(values, k.name)) != _plain(k.default)]
     sets = f" with --set {' '.join(args.sets)}" if args.sets else ""
-    print(f"# {shown_path(args.config)}{sets}, resolved: {len(table)} keys, {len(changed)} differ from the "
-          "defaults (marked *).\n# Each comment: what the key accepts | its default | whether it may change when "
+    print(f"# {shown_path(args.config)}{sets}, resolved: {len(table)} keys, {len(changed)} {'differs' if len(changed) == 1 else 'differ'} "
+          "from the defaults (marked *).\n# Each comment: what the key accepts | its default | whether it may change when "
           "the run is resumed | what it does.")
     section = None
     for k in table:

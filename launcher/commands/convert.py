@@ -9,6 +9,7 @@ import sys
 import time
 
 from launcher.options import shown_path, user_path
+from schema.text import count
 
 HELP = ("checkpoints: 'consolidate' into one model file, 'average' several into one, 'reshard' to another "
         "pp × dp layout")
@@ -65,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
             config = reshard(args.source, args.out_run_dir, args.pipeline_stages, args.data_parallel,
                              args.tag, args.max_steps,
                              check_config=lambda run_cfg: check_run_config(run_cfg, "the resharded config"))
-            print(f"wrote a universal checkpoint for {args.pipeline_stages} stages × {args.data_parallel} "
-                  f"replicas in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {shown_path(config)}")
+            print(f"wrote a universal checkpoint for {count(args.pipeline_stages, 'stage')} × "
+                  f"{count(args.data_parallel, 'replica')} in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {shown_path(config)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -100,7 +101,7 @@ def _average(args: argparse.Namespace, start: float) -> int:
         raise CheckpointError(f"{out} exists; pass --force to replace it, or --out another file")
     source = average(sources, out)
     steps = ", ".join(str(a["step"]) for a in source["averaged"])
-    print(f"wrote {shown_path(out)} ({os.path.getsize(out) / 2**20:.1f} MiB): the mean of {len(sources)} checkpoints "
+    print(f"wrote {shown_path(out)} ({os.path.getsize(out) / 2**20:.1f} MiB): the mean of {count(len(sources), 'checkpoint')} "
           f"(steps {steps}) in {time.perf_counter() - start:.1f} s; use it with ./run.sh eval RUN_DIR --model "
           f"{shown_path(out)}")
     return 0

@@ -11,6 +11,7 @@ import time
 
 from launcher.launch import DEFAULT_RUN
 from launcher.options import add_decoding_arguments, decode_options, user_path
+from schema.text import count
 
 HELP = "translate the dev/test sets of every direction; BLEU/chrF (sacreBLEU) table per split"
 SPBLEU_CHOICES = ("auto", "flores200", "flores101", "none")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     source = translator.meta["source"]
     averaged = source.get("averaged")
-    print(f"model: {args.model}, the mean of {len(averaged)} checkpoints (steps "
+    print(f"model: {args.model}, the mean of {count(len(averaged), 'checkpoint')} (steps "
           f"{', '.join(str(a['step']) for a in averaged)})" if averaged else
           f"model: {source['checkpoint']} (step {source['step']})", flush=True)
     # a model file's scores go beside the run's own evaluation (eval/), not over it

@@ -8,11 +8,13 @@ written but --markdown's file."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
 
 from launcher.options import caller_cwd, user_path
+from schema.text import count
 from trainer.config import ConfigError, RunConfig
 
 HELP = "plan a pp×tp×dp layout for a model on a GPU cluster: memory per stage, step time, days"
@@ -94,7 +96,7 @@ def _ints(value: str | None, flag: str) -> set[int] | None:
 def run(args: argparse.Namespace) -> int:
     from planner.devices import DEFAULT_PRECISION, device, gpu_type
     from planner.planner import search
-    from planner.report import config_snippet, explain, own_row, params_of, table
+    from planner.report import LEGEND, config_snippet, explain, own_row, params_of, table
 
     if args.gpus is not None and args.gpus < 1:
         raise ConfigError("--gpus must be >= 1")
@@ -113,16 +115,20 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(e)) from None
     cfg = load_run_config(args.model, args.sets)
     cluster = cluster_for(cfg, args.gpu, args.gpus)
-    if cluster is not None:  # the config's own layout for this cluster
+    if cluster is not None:  # the config's own layout for this GPU type
         entry = cfg.clusters[cluster]
         cfg = load_run_config(args.model, args.sets, cluster)
         args.gpus = args.gpus or entry.nodes * entry.gpus_per_node
-        args.nodes = args.nodes or entry.nodes
-    model = cfg.model
+        if args.nodes is None and entry.gpus_per_node and args.gpus % entry.gpus_per_node == 0:
+            args.nodes = args.gpus // entry.gpus_per_node
     args.gpus = args.gpus or cfg.world_size
-    if args.global_batch_tokens is None:
+    if args.global_batch_tokens is None:  # the batch the config trains (before it is scaled to --gpus)
         p, d = cfg.parallel, cfg.data
         args.global_batch_tokens = p.data_parallel * cfg.train.micro_batches * max(1, d.max_tokens // args.seq_len) * args.seq_len
+    origin = (f"clusters.{cluster}" if cluster else
+              f"its top level; no clusters: entry for {args.gpu}" if cfg.clusters else "")
+    cfg, scaling = scaled(cfg, args.gpus)
+    model = cfg.model
     from planner.devices import kernel_efficiency
 
     if args.mfu:
@@ -153,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--microbatch-tokens {args.microbatch_tokens}: every value must be >= 1")
     fits, too_big = search(model, args.gpus, dev, args.mfu, global_tokens=args.global_batch_tokens,
                            seq_len=args.seq_len, microbatch_tokens=mb_tokens, precision=precision)
-    own = _own_plan(cfg, model, dev, args, precision, cluster)
+    own = _own_plan(cfg, model, dev, args, precision, "; ".join(x for x in (origin, scaling) if x))
     keep = [_ints(args.pp, "--pp"), _ints(args.tp, "--tp")]
     ckpt = None if args.checkpoint is None else args.checkpoint == "on"
 
@@ -180,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
         leanest = min(too_big, key=lambda p: p.peak_bytes)
         out.append(f"No layout fits: the leanest ({leanest.layout.describe()}) needs "
                    f"{leanest.peak_bytes / 2**30:.1f} GiB per GPU of {dev.usable_bytes() / 2**30:.1f} usable.")
+        out.append(LEGEND)
     else:
-        out += table(fits[:args.top], dev, budget) + [""] + explain(fits, too_big, dev)
+        out += table(fits[:args.top], dev, budget) + ["", LEGEND, ""] + explain(fits, too_big, dev)
     out.append(f"\n{len(fits)} of {len(fits) + len(too_big)} candidate layouts fit.")
     out += ["", *own_row(own[0], fits[0] if fits else None, dev, budget, args.gpus, own[1])]
     if fits:
@@ -195,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cluster_for(cfg: RunConfig, gpu: str, gpus: int | None) -> str | None:
-    """The config's clusters: entry laid out for `gpus` GPUs of type `gpu` (with `gpus` None: the
-    one entry for that type), or None."""
+    """The config's clusters: entry for GPUs of type `gpu`: the one laid out for `gpus` GPUs, else
+    the nearest in size that can be scaled to them (`scaled`); with `gpus` None, the one entry of
+    that type. None where the config has no entry for that type."""
     from planner.devices import gpu_type
 
     def of_type(name: str) -> bool:
@@ -208,18 +216,45 @@ def cluster_for(cfg: RunConfig, gpu: str, gpus: int | None) -> str | None:
     names = [name for name in cfg.clusters if of_type(name)]
     if gpus is None:
         return names[0] if len(names) == 1 else None
-    return next((name for name in names if cfg.clusters[name].nodes * cfg.clusters[name].gpus_per_node == gpus),
-                None)
+
+    def distance(name: str) -> tuple:
+        layout, world = cfg.clusters[name], cfg.clusters[name].nodes * cfg.clusters[name].gpus_per_node
+        per_replica = ((layout.parallel.get("pipeline_stages") or cfg.parallel.pipeline_stages)
+                       * (layout.parallel.get("tensor_parallel") or cfg.parallel.tensor_parallel))
+        return world != gpus, gpus % per_replica != 0, abs(math.log(gpus / world))
+
+    return min(names, key=distance, default=None)
 
 
-def _own_plan(cfg: RunConfig, model, dev, args: argparse.Namespace, precision: str, cluster: str | None) -> tuple:
+def scaled(cfg: RunConfig, gpus: int) -> tuple[RunConfig, str]:
+    """`cfg` laid out on `gpus` GPUs with its pipeline and tensor-parallel sizes: data_parallel
+    scaled to fill them and train.micro_batches scaled the other way, so that the global batch
+    stays (the nearest whole number of micro-batches where none keeps it exactly), and a note
+    saying so; `cfg` itself and '' when it has that many GPUs, or when pp × tp does not divide
+    them (the comparison then says it is another size)."""
+    p, t = cfg.parallel, cfg.train
+    per_replica = p.pipeline_stages * p.tensor_parallel
+    if cfg.world_size == gpus or gpus % per_replica:
+        return cfg, ""
+    dp = gpus // per_replica
+    global_micro = p.data_parallel * t.micro_batches
+    micro = max(1, round(global_micro / dp))
+    out = dataclasses.replace(cfg, parallel=dataclasses.replace(p, data_parallel=dp),
+                              train=dataclasses.replace(t, micro_batches=micro))
+    batch = ("the same global batch" if micro * dp == global_micro else
+             f"{count(micro * dp, 'micro-batch', 'micro-batches')} per step for its {global_micro} (the nearest whole number)")
+    return out, (f"scaled from {cfg.world_size} to {count(gpus, 'GPU')}: data_parallel {p.data_parallel} → {dp}, "
+                 f"train.micro_batches {t.micro_batches} → {micro}, {batch}")
+
+
+def _own_plan(cfg: RunConfig, model, dev, args: argparse.Namespace, precision: str, origin: str) -> tuple:
     """(the config's own layout priced like the candidates, a note on which layout it is and what
     differs from the config): its precision where the GPU type has it, else the planned one."""
     from planner.planner import plan
     from planner.report import config_layout
 
     mine = cfg.parallel.precision
-    notes = [f"clusters.{cluster}"] if cluster else []
+    notes = [origin] if origin else []
     notes += [] if mine in dev.peak_tflops else [f"priced in {precision}: {dev.name} has no {mine}"]
     note = "; ".join(notes)
     layout = config_layout(cfg.parallel, cfg.train, cfg.data.max_tokens, args.seq_len,

@@ -8,6 +8,7 @@ from launcher.launch import DEFAULT_CONFIG
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path, user_path
 from trainer.config import load_config
 from launcher.preflight import check_device, check_resume, check_run_dir, check_writable_folder
+from schema.text import count
 
 HELP = "validate, tokenise and binarise the corpus of a config (resumable); no training"
 
@@ -49,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
                          cfg.data.seed, cfg.data.sampling_temperature)
     stats = epoch_stats(stream, 0, max_windows=4)
     print(f"data: epoch 0 (windows {stats['windows']}, max_tokens {stats['max_tokens']}, "
-          f"T={cfg.data.sampling_temperature}): {stats['batches']:,} batches, "
-          f"{stats['examples']:,} examples, mean batch {stats['mean_batch_size']:.1f}, "
+          f"T={cfg.data.sampling_temperature}): {count(stats['batches'], 'batch', 'batches', ',')}, "
+          f"{count(stats['examples'], 'example', spec=',')}, mean batch {stats['mean_batch_size']:.1f}, "
           f"widest {stats['max_width']} tokens, padding {stats['padding_fraction']:.1%} "
           f"(src {stats['src_padding_fraction']:.1%}, tgt {stats['tgt_padding_fraction']:.1%})")
     shares = stats["examples_per_direction"]

@@ -13,6 +13,7 @@ from data.errors import DataError
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from launcher.preflight import check_init_from, check_resume, check_run_dir
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
+from schema.text import count
 from trainer.config import ConfigError, RunConfig, load_config, parse_set
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
@@ -66,7 +67,7 @@ def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int
     if nodes * tasks != world:
         raise ConfigError(
             f"{args.config}: the layout needs pipeline_stages × tensor_parallel × data_parallel = "
-            f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {world} ranks, but "
+            f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {count(world, 'rank')}, but "
             f"--nodes {nodes} × {'--gpus-per-node' if gpus else '--tasks-per-node'} {tasks} = "
             f"{nodes * tasks}; change the flags or parallel.data_parallel in the config")
     return nodes, gpus, tasks
@@ -167,17 +168,35 @@ def _cpus_per_task(args: argparse.Namespace, gpus: int, tasks: int) -> tuple[int
     by its GPUs (CPU nodes: by its ranks); and the script's header line saying which."""
     if args.cpus_per_task:
         return args.cpus_per_task, f"CPUs per rank: --cpus-per-task={args.cpus_per_task}, as given"
-    share = f"{gpus} GPUs" if gpus else f"{tasks} ranks per node"
+    share = count(gpus, "GPU") if gpus else f"{count(tasks, 'rank')} per node"
     cpus, how = node_cpus(args.partition)
     if cpus is not None:
         n = max(1, cpus // (gpus or tasks))
-        return n, f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs per node ({how}) / {share}"
+        return n, f"CPUs per rank: --cpus-per-task={n} = {count(cpus, 'CPU')} per node ({how}) / {share}"
     cpus = os.cpu_count() or 1
     n = max(1, cpus // (gpus or tasks))
-    print(f"note: --cpus-per-task {n} assumes nodes like this machine ({cpus} CPUs / {share}): {how}; "
+    print(f"note: --cpus-per-task {n} assumes nodes like this machine ({count(cpus, 'CPU')} / {share}): {how}; "
           "give --cpus-per-task for the compute nodes", file=sys.stderr)
-    return n, (f"CPUs per rank: --cpus-per-task={n} = {cpus} CPUs / {share}, this machine's CPUs ({how}), "
+    return n, (f"CPUs per rank: --cpus-per-task={n} = {count(cpus, 'CPU')} / {share}, this machine's CPUs ({how}), "
                "assumed to be a node's; regenerate with --cpus-per-task for other nodes")
+
+
+def _summary(spec: JobSpec, script: str, notes: list[str]) -> list[str]:
+    """What was written and the facts of the job, in a few lines: the script itself is in the file
+    (its header holds every note: how --cpus-per-task was chosen, a --dry-run's missing corpus)."""
+    ranks = spec.nodes * spec.tasks_per_node
+    on = f"{count(spec.gpus_per_node, 'GPU')} each, NCCL" if spec.gpus_per_node else "CPU nodes, gloo"
+    on += f"; --cpus-per-task={spec.cpus_per_task}" if spec.cpus_per_task else ""
+    limit = (f"time limit {spec.time} (checkpoint and requeue {spec.signal_before} s before it)" if spec.time
+             else "the partition's time limit")
+    where = "".join(f", {key} {value}" for key, value in (("partition", spec.partition), ("account", spec.account))
+                    if value)
+    return [f"wrote {shown_path(script)} and the config it reads, {shown_path(spec.config)}",
+            f"  job {spec.name}: {count(spec.nodes, 'node')} × {count(spec.tasks_per_node, 'rank')} per node = "
+            f"{count(ranks, 'rank')} ({spec.layout}; {on}), {limit}{where}",
+            f"  {notes[0]}",  # the tokens per step (the script's header has every note)
+            f"  logs: {shown_path(os.path.join(spec.run_dir, 'slurm', 'logs'))}/{spec.name}-<job id>.out; "
+            f"the run: {shown_path(spec.run_dir)}"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -230,16 +249,14 @@ def run(args: argparse.Namespace) -> int:
     source = f"{args.config} with --set {' '.join(args.sets)}" if args.sets else args.config
     source += " and --keep-batch" if args.keep_batch and args.sets else ""
     script = write_job(spec, resolved_config_text(cfg, source, args.cluster))
-    with open(script, encoding="utf-8") as f:
-        print(f.read())
-    print(f"wrote {script}\n  and {spec.config}", file=sys.stderr)
+    print("\n".join(_summary(spec, script, notes)))
     if args.dry_run:
         then = (f"once the corpus is there: {_command_line(args)} --submit" if missing
-                else f"submit with: sbatch {script}")
-        print(f"--dry-run: nothing submitted; {then}", file=sys.stderr)
+                else f"submit with: sbatch {shown_path(script)}")
+        print(f"--dry-run: nothing submitted; {then}")
         return 0
     if not args.submit:
-        print(f"submit with: sbatch {script}", file=sys.stderr)
+        print(f"submit with: sbatch {shown_path(script)}")
         return 0
     if shutil.which("sbatch") is None:
         raise ConfigError("--submit: sbatch is not on PATH (run this on a SLURM login node)")

@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -24,7 +25,8 @@ from launcher.preflight import (
 from launcher.procs import die_with_parent_shell, supervise
 from launcher.runlock import RunDirBusy, RunLock
 from runtime import accelerator
-from trainer.config import ConfigError, load_config, to_dict
+from schema.text import count
+from trainer.config import ConfigError, config_name, load_config, read_yaml, to_dict
 from trainer.run_dir import BELOW, END_HERE, FINISHED, SUMMARY_NAME, record_ending
 from trainer.signals import PREEMPTED_EXIT_CODE
 
@@ -43,12 +45,29 @@ def gpu_count() -> int:
     return accelerator.gpu_count()
 
 
+def former_default_run(path: str, run_dir: str) -> str | None:
+    """The run directory a config that names no run_dir had before the default was named after the
+    config (runs/default beside it), where that holds a run and the config's own default `run_dir`
+    does not exist yet: a launch would start afresh in `run_dir` instead of resuming it. Else None."""
+    base = os.path.dirname(os.path.abspath(path))
+    old = os.path.join(base, "runs", "default")
+    if (run_dir != os.path.join(base, "runs", config_name(path)) or old == run_dir or os.path.exists(run_dir)
+            or not os.path.exists(os.path.join(old, "config.json")) or "run_dir" in read_yaml(path)):
+        return None
+    return old
+
+
 def run(args: argparse.Namespace) -> int:
     from data.prepare import check_corpus
 
     if args.eval_sentences < 0:
         raise ConfigError(f"--eval-sentences {args.eval_sentences}: give N >= 0 (0 skips the evaluation)")
     cfg = load_config(args.config, run_dir_override(args), sets=args.sets, cwd=caller_cwd())
+    former = former_default_run(args.config, cfg.run_dir)
+    if former:
+        print(f"note: {shown_path(args.config)} names no run_dir, so it trains in {shown_path(cfg.run_dir)} "
+              f"(runs/{{config}} beside it); {shown_path(former)} holds the run such a config had before: set "
+              "run_dir: runs/default in it to resume that run", file=sys.stderr, flush=True)
     check_run_dir(cfg, args.config)
     saved = check_resume(cfg, args.config)
     verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
@@ -86,8 +105,8 @@ def _train(args: argparse.Namespace, cfg) -> int:
               f"data_parallel={p.data_parallel}")
     gpus = gpu_count()
     if gpus and world > gpus:
-        raise ConfigError(f"{args.config}: {layout} needs {world} ranks, one per GPU, but this node has "
-                          f"{gpus} GPUs; lower parallel.data_parallel, or run on several nodes with "
+        raise ConfigError(f"{args.config}: {layout} needs {count(world, 'rank')}, one per GPU, but this node has "
+                          f"{count(gpus, 'GPU')}; lower parallel.data_parallel, or run on several nodes with "
                           f"./run.sh slurm {args.config} --nodes N --gpus-per-node {gpus}")
     env = launch_env(world)
     # Cores this process may use (a cgroup, taskset or SLURM allocation may grant fewer than the
@@ -144,7 +163,7 @@ def record_scores(run_dir: str, sentences: int) -> None:
     means, each = metrics.score_events(rows, step)
     metrics.record(run_dir, means, tensorboard_only=each)
     append_log(run_dir, f"step {step} | test " + " | ".join(f"{tag.split('/')[-1]} {value:.2f}" for tag, value, _ in means)
-               + f" (first {sentences} sentences per direction, beam 5; eval/test.md)")
+               + f" (first {count(sentences, 'sentence')} per direction, beam 5; eval/test.md)")
 
 
 def _recorded_since(run_dir: str, started: float) -> bool:
@@ -157,13 +176,13 @@ def _recorded_since(run_dir: str, started: float) -> bool:
 
 def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, cores: int) -> int:
     """Start the ranks under supervision (launcher/procs.py); their exit code, explained."""
-    where = (f"{world} of {gpus} GPUs" if gpus else
-             f"{cores} CPU cores, {env['OMP_NUM_THREADS']} thread(s) per rank")
+    where = (f"{world} of {count(gpus, 'GPU')}" if gpus else
+             f"{count(cores, 'CPU core')}, {count(int(env['OMP_NUM_THREADS']), 'thread')} per rank")
 
     def announce():  # once signals are handled: from here on a SIGTERM gets a checkpoint
-        print(f"launching {world} ranks ({layout}) on {where}", flush=True)
+        print(f"launching {count(world, 'rank')} ({layout}) on {where}", flush=True)
         if not gpus and world > cores:
-            print(f"warning: {world} ranks share {cores} cores; each step will be slow", flush=True)
+            print(f"warning: {count(world, 'rank')} share {count(cores, 'core')}; each step will be slow", flush=True)
 
     env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
     started = time.time()

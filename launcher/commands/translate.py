@@ -14,6 +14,7 @@ import time
 
 from launcher.launch import DEFAULT_RUN
 from launcher.options import add_decoding_arguments, decode_options, user_path
+from schema.text import count
 
 HELP = "translate text with a trained model (stdin → stdout or --input/--output files; --to LANG)"
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
-    note = f", {translator.truncated} over-long sources truncated" if translator.truncated else ""
-    print(f"translated {lines} lines in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} sentences/s, "
+    note = f", {count(translator.truncated, 'over-long source')} truncated" if translator.truncated else ""
+    print(f"translated {count(lines, 'line')} in {seconds:.1f} s ({lines / max(seconds, 1e-9):.1f} sentences/s, "
           f"{tokens / max(seconds, 1e-9):.0f} tokens/s, beam {options.beam}, {threads()}{note})", file=sys.stderr)
     return 0

@@ -84,7 +84,7 @@ def main() -> None:
     torch.distributed.barrier()
     if args.case == "shape":
         announce_longer(trainer.engine, 1)
-    elif trainer.layout.first_stage:
+    elif trainer.layout.stage == 0:
         send_bfloat16(trainer.module)
     trainer.train_step()  # stage 0 raises in its send: the launch ends here
     exit_rank(0)
