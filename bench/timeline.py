@@ -46,13 +46,28 @@ def trace_phase(trainer, pairs: int, stem: str) -> dict:
             steps.append({"traced": on, "seconds": out["seconds"], "cpu_seconds": cpu[-1]})
     finally:
         del engine.train_batch
-    mine = {"steps": steps, "calls": trainer.timeline.tracer.calls}
+    tracer = trainer.timeline.tracer
+    mine = {"steps": steps, "calls": tracer.calls, "hook_seconds": hook_seconds(tracer)}
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
     if torch.distributed.get_rank() != 0:
         return None
     return {"report": trainer.timeline.report, "paths": trainer.timeline.paths, "ranks": ranks,
             "overhead": overhead(ranks)}
+
+
+def hook_seconds(tracer, calls: int = 2000) -> float:
+    """CPU seconds of one call of the tracer's hook around nothing (what tracing adds to each
+    instruction: two clock reads, the store's count of deferred work, one append), timed here after
+    the traced steps: a bound on the overhead that the machine's load does not blur."""
+    tracer._raw, tracer._store = [], getattr(tracer.engine, "weight_grads", None)
+    start = time.process_time()
+    for _ in range(calls):
+        with tracer._hook("BackwardPass", {"buffer_id": 0}):
+            pass
+    seconds = (time.process_time() - start) / calls
+    tracer._raw, tracer.calls = None, tracer.calls - calls
+    return seconds
 
 
 def overhead(ranks: list[dict]) -> dict:
@@ -69,8 +84,12 @@ def overhead(ranks: list[dict]) -> dict:
     wall = pair_ratios([(s["traced"], s["seconds"]) for s in ranks[0]["steps"]])
     cpu = pair_ratios([(s["traced"], sum(r["steps"][i]["cpu_seconds"] for r in ranks))
                        for i, s in enumerate(ranks[0]["steps"])])
-    return {"pairs": len(wall), "wall": statistics.median(wall) - 1.0, "cpu": statistics.median(cpu) - 1.0,
-            "wall_ratios": wall, "cpu_ratios": cpu}
+    traced = [s for s in ranks[0]["steps"] if s["traced"]]
+    per_step = max(r["calls"] * r["hook_seconds"] for r in ranks) / len(traced)  # the busiest rank's hooks
+    untraced = statistics.median(s["cpu_seconds"] for s in ranks[0]["steps"] if not s["traced"])
+    return {"pairs": len(wall), "wall": statistics.median(wall) - 1.0, "cpu_time": statistics.median(cpu) - 1.0,
+            "wall_ratios": wall, "cpu_ratios": cpu, "hook_us": max(r["hook_seconds"] for r in ranks) * 1e6,
+            "hooks_per_step": max(r["calls"] for r in ranks) / len(traced), "hook_share": per_step / untraced}
 
 
 def timeline_table(rows: list[dict]) -> list[str]:
@@ -82,9 +101,10 @@ def timeline_table(rows: list[dict]) -> list[str]:
     lines = ["", "Timelines (--trace): the pipeline bubble per stage read from the trace and simulated "
              "(parallel/zb_timeline.py) at the traced F, B, W costs and the orders the stages ran; the trace's "
              "shares of the phase the simulator does not have (sends, loads, the engine between instructions); "
-             "tracing's overhead: median over interleaved pairs of a traced and an untraced step.", "",
+             "tracing's overhead: median over interleaved pairs of a traced and an untraced step, and the hooks' own "
+             "CPU time (µs per call × calls per step) over an untraced step's.", "",
              "| layout | schedule | bubble per stage, trace | simulator | all: trace / simulator | sends + loads + between, "
-             "per stage | overhead wall / CPU (pairs) | files |", "|---" * 8 + "|"]
+             "per stage | overhead wall / CPU (pairs) | hooks: µs × calls, share | files |", "|---" * 9 + "|"]
     for r in traced:
         t = r["timeline"]
         rep, cost = t["report"], t["overhead"]
@@ -92,8 +112,9 @@ def timeline_table(rows: list[dict]) -> list[str]:
                                                   rep["trace"]["stage_between"])]
         lines.append(f"| {r['layout']} | {r.get('schedule', '')} | {_row(rep['trace']['stage_bubble'])} "
                      f"| {_row(rep['simulator']['stage_bubble'])} | {rep['trace']['bubble']:.3f} / "
-                     f"{rep['simulator']['bubble']:.3f} | {_row(unmodelled)} | {cost['wall']:+.1%} / {cost['cpu']:+.1%} "
-                     f"({cost['pairs']}) | {', '.join(p.rsplit('/', 1)[-1] for p in t['paths'])} |")
+                     f"{rep['simulator']['bubble']:.3f} | {_row(unmodelled)} | {cost['wall']:+.1%} / {cost['cpu_time']:+.1%} "
+                     f"({cost['pairs']}) | {cost['hook_us']:.1f} × {cost['hooks_per_step']:.0f}, {cost['hook_share']:.3%} "
+                     f"| {', '.join(p.rsplit('/', 1)[-1] for p in t['paths'])} |")
     return lines
 
 

@@ -21,9 +21,10 @@ from tests.dist.timeline_worker import SKEW_NS
 
 M = 4  # micro-batches per step of the launch
 MODEL = {"encoder_layers": 4, "decoder_layers": 4, "d_model": 64, "heads": 4, "ffn_dim": 128}
-TOLERANCE = 0.15
-"""|trace − simulator| of the mean bubble on this 2-core CPU (gloo, 4 ranks); the difference is the
-time the simulator does not model (docs/pipeline.md "Timeline": blocking sends, the engine)."""
+TOLERANCE = 0.25
+"""|trace − simulator| of the mean bubble with 4 ranks on a shared 2-core CPU (gloo); the trace's is
+larger by what the simulator does not model: blocking transfers in the engine's order, the engine's
+own time, and costs that vary from op to op under load (docs/pipeline.md, "A timeline of real steps")."""
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +136,7 @@ def test_a_resumed_run_traces_its_new_steps_and_notes_the_old_ones(launched):
 
 
 def test_steps_before_the_resumed_one_are_refused_before_launch(launched, capsys):
-    """The run resumed at step 7 traced 3, 4 and 6: those are passed over; step 5 was never traced."""
+    """The run (its newest checkpoint: step 5) traced 3, 4 and 6: those are passed over; step 5 was not."""
     from launcher.preflight import check_trace_steps
     from trainer.config import ConfigError, load_config
 
@@ -146,8 +147,8 @@ def test_steps_before_the_resumed_one_are_refused_before_launch(launched, capsys
     refused = load_config(config, {"run_dir": run_dir, "train": {"trace_steps": [5, 8], "max_steps": 9}})
     with pytest.raises(ConfigError) as error:
         check_trace_steps(refused, config)
-    assert "train.trace_steps=[5, 8] names step 5, which ran before the step this run resumes from (7)" in str(error.value)
-    assert "within 8..9" in str(error.value)
+    assert "train.trace_steps=[5, 8] names step 5, which ran before the step this run resumes from (5)" in str(error.value)
+    assert "within 6..9" in str(error.value)
 
 
 # ---- no launch -------------------------------------------------------------------------------------

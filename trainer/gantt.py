@@ -5,7 +5,7 @@ their own colours, idle time blank; each panel's title has the step's bubble fro
 simulator's. Drawn with matplotlib (Agg: no display needed)."""
 from __future__ import annotations
 
-MAX_PANELS = 4
+MAX_PANELS = 2
 STYLE = {  # label or category → (face colour, hatch, legend text)
     "F": ("#4c72b0", "", "F forward"), "B": ("#55a868", "", "B input gradient"),
     "W": ("#dd8452", "", "W weight gradients"), "BW": ("#2f8f8f", "", "BW whole backward"),
