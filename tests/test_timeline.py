@@ -23,7 +23,7 @@ M = 4  # micro-batches per step of the launch
 MODEL = {"encoder_layers": 4, "decoder_layers": 4, "d_model": 128, "heads": 4, "ffn_dim": 256}
 """Wide enough that an op lasts tens of ms: four ranks share two cores, and a rank woken by a message
 may wait for one, which the simulator does not know (small ops made that most of the bubble)."""
-TOLERANCE = 0.2
+TOLERANCE = 0.25
 """|trace − simulator| of the mean bubble with 4 ranks on a shared 2-core CPU (gloo); the trace's is
 larger by what the simulator does not model: blocking transfers in the engine's order, the engine's
 own time, and costs that vary from op to op under load (docs/pipeline.md, "A timeline of real steps")."""
@@ -261,3 +261,27 @@ def test_one_rank_gets_a_note(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines() == [
         "note: train.trace_steps on a layout of one rank: its timeline has one track and no pipeline bubble "
         "(nothing waits for another stage)"]
+
+
+def test_bench_overhead_pairs_each_traced_step_with_its_neighbour():
+    """bench train --trace's pairs run traced-first in every other pair; each ratio is traced ÷ untraced."""
+    from bench.timeline import overhead, timeline_table
+
+    def rank(calls: int, seconds: list[float], cpu: list[float]) -> dict:
+        order = [False, True, True, False]
+        return {"calls": calls, "hook_seconds": 2e-6,
+                "steps": [{"traced": t, "seconds": s, "cpu_seconds": c} for t, s, c in zip(order, seconds, cpu)]}
+
+    ranks = [rank(40, [1.0, 1.1, 2.2, 2.0], [1.0, 1.02, 2.04, 2.0]), rank(60, [1.0, 1.1, 2.2, 2.0], [0.5, 0.5, 0.5, 0.5])]
+    cost = overhead(ranks)
+    assert cost["wall_ratios"] == pytest.approx([1.1, 1.1]) and cost["wall"] == pytest.approx(0.1)
+    assert cost["cpu_ratios"] == pytest.approx([1.52 / 1.5, 2.54 / 2.5])
+    assert cost["hooks_per_step"] == 30 and cost["hook_share"] == pytest.approx(30 * 2e-6 / 1.5)
+    report = {"trace": {k: [0.1, 0.2] for k in ("stage_bubble", "stage_send", "stage_load", "stage_between")},
+              "simulator": {"stage_bubble": [0.1, 0.1], "bubble": 0.1}}
+    report["trace"]["bubble"] = 0.15
+    lines = timeline_table([{"layout": "pp2", "schedule": "1f1b"},
+                            {"layout": "pp2-t", "schedule": "1f1b", "timeline": {"report": report, "overhead": cost,
+                                                                                  "paths": ["/x/a.json", "/x/a.png"]}}])
+    assert len(lines) == 6 and lines[-1].startswith("| pp2-t | 1f1b | 0.100 / 0.200 | 0.100 / 0.100 | 0.150 / 0.100 |")
+    assert "+10.0% / +1.5% (2) | 2.0 × 30, 0.004%" in lines[-1] and "a.json, a.png" in lines[-1]
