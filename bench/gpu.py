@@ -2,7 +2,7 @@
 and with compiled layers, at 2k, 4k and 8k target tokens per micro-batch.
 
     ./run.sh bench train [--shapes a,b] [--tokens 4096,8192,2048] [--variants compiled,eager]
-                         [--steps 5] [--warmup 2] [--out DIR]
+                         [--steps 5] [--warmup 2] [--out DIR] [--trace]
     python -m bench.gpu --device cpu --shapes tiny ...        (a rehearsal on the CPU)
 
 Each shape and variant trains in its own process (a DeepSpeed engine is never freed: bench/worker.py
@@ -33,6 +33,9 @@ that every d = 1024 shape compiles the same graph per kind and reuses the compil
 output layer does not mask the layers' efficiency), `last-stage-128k` (4 decoder layers of it with
 the output layer and loss at the paper's 128k vocabulary: the last stage of a pipeline),
 `6L-6L-d512` (32k vocabulary), `tiny` and `tiny-last` (CPU rehearsals of the first two).
+
+`--trace`: one more step of the first size of each shape and variant, traced (trainer/timeline.py:
+CUDA events, read after the step), as OUT/<shape>-<variant>.timeline.json (Perfetto) and .png.
 """
 from __future__ import annotations
 
@@ -136,7 +139,7 @@ def cache_counters() -> dict[str, int]:
 
 
 def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup: int, precision: str,
-            jsonl: str, stall_after: int = 0) -> None:
+            jsonl: str, stall_after: int = 0, trace_dir: str | None = None) -> None:
     """Train `shape` in this process (a world of one) at each micro-batch size; each size's
     measurement appended to `jsonl` as it is made. `stall_after` N > 0: after N sizes, ignore
     SIGTERM and hang (the GPU check's test of a part that must be killed)."""
@@ -168,7 +171,8 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     alpha = carry_alpha(module, cfg.model, SHAPES[shape][6])
     guard = DivergenceGuard(engine, cfg.train, layout)
     engine.step_loss = lambda: guard.step_loss
-    totals, _ = instrument(engine)  # wall seconds by instruction (after a synchronize)
+    stops: list = []
+    totals, _ = instrument(engine, stops)  # wall seconds by instruction (after a synchronize)
     key = devices.device_key(accelerator.gpu_name()) if not accelerator.on_host() else None
     peak = devices.DEVICES[key]["peak_tflops"][precision] * 1e12 if key else float("nan")
     layers = cfg.model.encoder_layers + cfg.model.decoder_layers
@@ -242,6 +246,11 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
               f"MFU {row['mfu']:.1%}, busy {row['gpu_busy_fraction']:.0%}, {counter.kernels} kernels/step, "
               f"{counter.syncs} syncs/step; {row['seconds_since_start']:.0f} s since start "
               f"({compiled.summary()})", flush=True)
+        if trace_dir and done == 0:  # --trace: the instruction timer's syncs stay out of the traced step
+            stops.pop()()
+            trace_step(engine, layout, lambda: step(synthetic_batches(cfg.model.vocab_size, sequences, TGT_LEN, generator)),
+                       os.path.join(trace_dir, f"{shape}-{variant}.timeline"), f"{shape} {variant}")
+            totals, _ = instrument(engine, stops)
         if stall_after and done + 1 >= stall_after:
             import signal
 
@@ -249,6 +258,19 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
             print("stalling (ignoring SIGTERM), as asked", flush=True)
             while True:
                 time.sleep(1)
+
+
+def trace_step(engine, layout, run, stem: str, model: str) -> None:
+    """`run()` (one step of `engine`) traced: STEM.json and STEM.png (trainer/timeline.py)."""
+    from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
+    from trainer.timeline import Timeline
+
+    meta = {"schedule_title": SCHEDULES[DEFAULT_SCHEDULE].title, "pp": 1, "dp": 1, "micro_batches": MICRO_BATCHES,
+            "model": model}
+    timeline = Timeline(engine, layout, [1], stem, meta, log=lambda line: print(line, flush=True))
+    timeline.begin(1)
+    run()
+    timeline.end()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"{HOST}: a rehearsal on the host (fp32; with --shapes tiny)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "bench-gpu"), help="output folder")
     parser.add_argument("--jsonl", help="the file each measurement is appended to (default OUT/rows.jsonl)")
+    parser.add_argument("--trace", action="store_true", help="one traced step per shape and variant: "
+                        "OUT/<shape>-<variant>.timeline.json (Perfetto) and .png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--stall-after", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -284,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.distributed import exit_rank
 
         shape, variant = args.worker.split(":")
-        measure(shape, variant, tokens, args.steps, args.warmup, args.precision, jsonl, args.stall_after)
+        measure(shape, variant, tokens, args.steps, args.warmup, args.precision, jsonl, args.stall_after,
+                args.out if args.trace else None)
         exit_rank(0)
     from runtime import accelerator
 
@@ -308,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in variants:
             cmd = [sys.executable, "-m", "bench.gpu", "--worker", f"{shape}:{variant}", "--tokens", args.tokens,
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--precision", precision,
-                   "--out", args.out, "--jsonl", jsonl]
+                   "--out", args.out, "--jsonl", jsonl] + (["--trace"] if args.trace else [])
             rc = subprocess.call(cmd, env=env, cwd=ROOT)
             if rc != 0:
                 failed.append(f"{shape} {variant} (exit {rc})")
@@ -325,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # What ./run.sh bench reads from this source (launcher/commands/bench.py).
-BENCH = dict(name="train", gpu=True, help="the paper's shapes in bf16 on a GPU", paths=("--out",))
+BENCH = dict(name="train", gpu=True, help="the paper's shapes in bf16 on a GPU", paths=("--out",), switches=("--trace",))
 
 
 if __name__ == "__main__":

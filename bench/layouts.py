@@ -4,7 +4,7 @@
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
                          [--schedule 1f1b,zb-h1] [--zb-max-pending-w=0,-1] [--zero 0,1]
                          [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
-                         [--work-dir DIR] [--profile]
+                         [--work-dir DIR] [--profile] [--trace]
 
 Flags with comma-separated values span a grid (their product). A grid file holds the same keys:
 
@@ -21,7 +21,9 @@ layout: target tokens/s (non-padding), step time median and spread, model TFLOP/
 MFU and HFU against the peak (CPU: a matmul probe at start, all cores; GPU: datasheet table in
 planner/planner.py), the measured pipeline bubble next to (p−1)/(m+p−1), and the peak memory of
 each stage above the process baseline next to the planner's prediction. Written to
-DIR/bench.{csv,md,json}.
+DIR/bench.{csv,md,json}. `--trace`: after the measured steps, as many pairs of a traced and an untraced
+step (bench/timeline.py): DIR/<layout>.timeline.json (open in ui.perfetto.dev) and .png, the bubble
+per stage from the trace beside the simulator's, and what tracing costs.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from schema.text import count
 from trainer.config import ConfigError, load_config
 
 BENCH = dict(name="train", help="layout grid on CPU", config=0, config_in=("--grid",),
-             paths=("--grid", "--out", "--work-dir"), switches=("--profile",), launches=True)
+             paths=("--grid", "--out", "--work-dir"), switches=("--profile", "--trace"), launches=True)
 
 GRID_KEYS = ("pp", "tp", "dp", "ac", "max_tokens", "micro_batches", "precision", "threads", "schedule", "partition",
              "zb_max_pending_w", "zero")
@@ -144,14 +146,15 @@ def check_layout(config: str, model: dict, layout: dict) -> int:
 
 
 def run_one(config: str, model: dict, layout: dict, world: int, work: str, data_dir: str,
-            profile_dir: str | None) -> dict:
+            profile_dir: str | None, trace_dir: str | None = None) -> dict:
     spec_path = os.path.join(work, f"{layout['name']}.layout.json")
     out = os.path.join(work, f"{layout['name']}.result.json")
     log = os.path.join(work, f"{layout['name']}.log")
     with open(spec_path, "w") as f:
         json.dump({"model": model, "layout": layout}, f)
     args = ["--config", os.path.abspath(config), "--layout", spec_path, "--work-dir", os.path.join(work, "runs"),
-            "--data-dir", data_dir, "--out", out] + (["--profile-dir", profile_dir] if profile_dir else [])
+            "--data-dir", data_dir, "--out", out] + (["--profile-dir", profile_dir] if profile_dir else []) + \
+        (["--trace-dir", trace_dir] if trace_dir else [])
     # A world of one needs no launcher; more ranks go through the real deepspeed launcher.
     cmd = [sys.executable, "-m", "bench.worker", *args] if world == 1 else deepspeed_command(world, "bench.worker", args)
     if os.path.exists(out):
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     parser.add_argument("--work-dir", help="run directories and logs of the layouts (default OUT/work)")
     parser.add_argument("--profile", action="store_true", help="profile one extra step of single-process layouts")
+    parser.add_argument("--trace", action="store_true", help="a timeline of each layout (OUT/<layout>.timeline.json, "
+                        ".png) from --steps pairs of a traced and an untraced step: the bubble per stage beside the "
+                        "simulator's, and the tracing overhead")
     args = parser.parse_args(argv)
     try:
         return bench(args)
@@ -208,7 +214,8 @@ def bench(args: argparse.Namespace) -> int:
         if env.device_kind == HOST and world > (os.cpu_count() or 1):
             print(f"note: {layout['name']} runs {count(world, 'rank')} on {count(os.cpu_count() or 1, 'core')}; its times are oversubscribed")
         print(f"running {layout['name']} ({count(world, 'rank')}) ...", flush=True)
-        result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None)
+        result = run_one(config, model, layout, world, work, data_dir, out if args.profile else None,
+                         out if args.trace else None)
         threads = int(launch_environment(layout, world)["OMP_NUM_THREADS"])
         row = summarize(result, env, load_config(config, {"model": model}).model, threads)
         row["load_after"] = os.getloadavg()[0]  # other processes on the machine skew times

@@ -19,7 +19,9 @@ has the rule), for the model of CONFIG (default configs/default.yaml):
                process) and at --pp stages (one launch of that many ranks; where the machine has
                fewer GPUs than --pp, CPU ranks, and the result says so): reads of a value and
                blocking host-to-device copies (bench/counting.py), on a GPU also what the sync
-               debug mode reports (bench/ops_syncs.py)
+               debug mode reports (bench/ops_syncs.py); then one more step of each, traced
+               (trace_pp1, trace_pp<N>: its syncs inside the micro-batch instructions, which stay
+               0, and its timeline, OUT/work/timeline-pp<N>.json and .png: trainer/timeline.py)
   compiled     graph breaks and graphs compiled per layer kind over micro-batches of varying
                shapes (training, a batch of one, then evaluation), and the seconds compiling took
 
@@ -39,7 +41,7 @@ import os
 import time
 
 from bench.gpu_results import append_jsonl, write_json
-from bench.ops_syncs import engine_ops_per_step, launch_syncs, new_trainer, sync_counts
+from bench.ops_syncs import engine_ops_per_step, launch_syncs, new_trainer, sync_counts, traced_step
 from launcher.launch import DEFAULT_CONFIG, ROOT
 
 SHAPES = [(8, 12, 10), (5, 17, 23), (12, 9, 9), (3, 30, 11), (8, 12, 10)]
@@ -260,6 +262,13 @@ def table(result: dict) -> str:
         pps = " and ".join(f"pp = {k[len('syncs_pp'):]}" for k in result if k.startswith("syncs_pp"))
         lines.append(f"Host syncs: {result['syncs_per_microbatch']:g} per micro-batch, {result['syncs_per_step']:g} per "
                      f"step (worst rank, {pps}{f', pp > 1 on {where}' if where else ''}; {result['syncs']['method']})")
+    for key in sorted(k for k in result if k.startswith("trace_pp")):
+        t = result[key]
+        bubble = f", bubble {t['bubble']['trace']['bubble']:.3f} traced, {t['bubble']['simulator']['bubble']:.3f} " \
+                 "simulated" if t.get("bubble") else ""
+        lines.append(f"A traced step at pp = {key[len('trace_pp'):]} ({'device events' if t['device_clock'] else 'host clock'}): "
+                     f"{t['per_microbatch']:g} host syncs per micro-batch, {t['per_step']:g} in the step with the "
+                     f"tracer's own{bubble}; {', '.join(t.get('paths', []))}")
     if "graph_breaks" in result:
         c = result["compilations_per_layer_kind"]
         lines.append(f"Compiled layers: {result['graph_breaks']} graph breaks; graphs per kind: encoder {c['encoder']}, "
@@ -346,13 +355,17 @@ def main(argv: list[str] | None = None) -> int:
         if "syncs" not in skip:
             counted: dict[int, dict] = {}
             if "pp1" not in skip or args.pp == 1:
-                counted[1] = {"ranks": [sync_counts(new_trainer(cfg, data_dir, os.path.join(work, "pp1")))],
-                              "pp_ranks_on": None, **counted_on}
+                trainer = new_trainer(cfg, data_dir, os.path.join(work, "pp1"))
+                counted[1] = {"ranks": [sync_counts(trainer)], "pp_ranks_on": None, **counted_on}
                 emit({"syncs_pp1": counted[1], **_worst(counted)})
+                emit({"trace_pp1": traced_step(trainer, os.path.join(work, "timeline-pp1"))})
             if args.pp > 1:
                 ranks, where = launch_syncs(args.config, args.pp, data_dir, work, args.set)
+                traced = [rank.pop("trace") for rank in ranks]
                 counted[args.pp] = {"ranks": ranks, "pp_ranks_on": where, **counted_on}
                 emit({f"syncs_pp{args.pp}": counted[args.pp], **_worst(counted)})
+                emit({f"trace_pp{args.pp}": {**traced[0], "ranks_on": where,
+                                             "per_microbatch_by_rank": [t["per_microbatch"] for t in traced]}})
     text = table(result)
     print(text)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

@@ -74,6 +74,26 @@ def sync_counts(trainer, steps: int = 2) -> dict:
             "device": accelerator.device_type(), "method": METHOD}
 
 
+def traced_step(trainer, stem: str) -> dict:
+    """One more step of `trainer`, traced (trainer/timeline.py: STEM.json and .png) and counted as
+    `sync_counts` counts: a traced step's syncs inside its micro-batch instructions (none: on a GPU
+    the spans are device events, read after the step) and in all (the tracer's own, outside the
+    pipeline: the clock exchange before the step, the one read of the events after it, the gather of
+    the spans). Rank 0 adds the timeline's bubbles and files."""
+    from trainer.timeline import trainer_timeline
+
+    trainer.timeline = trainer_timeline(trainer, [trainer.step + 1], stem)
+    counts = sync_counts(trainer, steps=1)
+    timeline, trainer.timeline = trainer.timeline, None
+    out = {"per_microbatch": counts["per_microbatch"], "per_step": counts["per_step"],
+           "sync_debug_mode_per_step": counts["sync_debug_mode_per_step"], "hook_calls": timeline.tracer.calls,
+           "device_clock": timeline.tracer.clock.device, "device": counts["device"]}
+    if timeline.report:
+        out.update(paths=timeline.paths, bubble={who: {k: v for k, v in part.items() if k.startswith(("stage_", "bubble"))}
+                                                 for who, part in timeline.report.items() if who in ("trace", "simulator")})
+    return out
+
+
 def debug_syncs(caught: list) -> int:
     """How many of the warnings `caught` are CUDA's sync debug mode's ("called a synchronizing CUDA
     operation")."""
@@ -140,6 +160,7 @@ def syncs_worker(config: str, data_dir: str, work: str, out: str, overrides: lis
     for _ in range(2):
         trainer.train_step()
     mine = sync_counts(trainer)
+    mine["trace"] = traced_step(trainer, os.path.join(work, f"timeline-pp{cfg.parallel.pipeline_stages}"))
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     if torch.distributed.get_rank() == 0:

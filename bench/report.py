@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from bench.pipeline import MB, bubble_theory, measured_bubble, schedule_stats, schedule_table
+from bench.timeline import timeline_table
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
 from parallel.config import ParallelConfig
@@ -236,6 +237,8 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
     }
     row.update(compare_with_plain(result))
     row.update(schedule_stats(result))
+    if result.get("timeline"):
+        row["timeline"] = result["timeline"]
     if "profile" in result["ranks"][0]:
         row["profile"] = result["ranks"][0]["profile"]
     mfu = f"MFU {row['mfu']:.1%}" if row["mfu"] is not None else "MFU n/a"
@@ -244,6 +247,10 @@ def summarize(result: dict, env: Environment, model: ModelConfig, threads_per_ra
                       f"{row['model_tflops']:.3f} TFLOP/s | {mfu} | bubble {row['bubble_measured']:.2f} "
                       f"(theory {row['bubble_theory']:.2f}) | peak MB/stage "
                       + "/".join(f"{x:.0f}" for x in row["stage_peak_mb"]) + ratio)
+    if row.get("timeline"):
+        t = row["timeline"]
+        row["summary"] += (f" | traced bubble {t['report']['trace']['bubble']:.3f}, simulated "
+                           f"{t['report']['simulator']['bubble']:.3f}; tracing {t['overhead']['wall']:+.1%} wall")
     return row
 
 
@@ -292,6 +299,7 @@ def markdown(rows: list[dict], env: Environment, spec: dict) -> str:
                      f"| {_pct(r['padding'])} | {r.get('load_after', float('nan')):.1f} |")
     lines += breakdown_table(rows)
     lines += schedule_table(rows)
+    lines += timeline_table(rows)
     profiled = [r for r in rows if "profile" in r]
     for r in profiled:
         p = r["profile"]
@@ -319,7 +327,7 @@ def breakdown_table(rows: list[dict]) -> list[str]:
 
 def write_outputs(rows: list[dict], env: Environment, out: str, spec: dict) -> list[str]:
     paths = [os.path.join(out, f"bench.{ext}") for ext in ("csv", "md", "json")]
-    columns = [k for k in rows[0] if k not in ("summary", "profile", "cpu_breakdown")]
+    columns = [k for k in rows[0] if k not in ("summary", "profile", "cpu_breakdown", "timeline")]
     with open(paths[0], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(columns)

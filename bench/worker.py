@@ -99,11 +99,12 @@ def peak_memory() -> int:
     return accelerator.peak_memory()
 
 
-def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
+def instrument(engine: object, stops: list | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """Time every pipeline instruction the engine executes (`TrainerEngine.observe`): (wall
     seconds, CPU seconds) by name, and for the measured bubble's phase (bench/pipeline.py
     `step_bubbles`) the system clock (`time.time`) at the step's first instruction and at the end
-    of its last forward, backward or weight pass: wall["clock_start"], wall["clock_end"]."""
+    of its last forward, backward or weight pass: wall["clock_start"], wall["clock_end"]. `stops`
+    gets the function that ends the timing."""
     wall: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
     synchronize = accelerator.synchronize
@@ -121,7 +122,9 @@ def instrument(engine: object) -> tuple[dict[str, float], dict[str, float]]:
         if name in PIPELINE_OPS:
             wall["clock_end"] = time.time()
 
-    engine.observe(timed)
+    stop = engine.observe(timed)
+    if stops is not None:
+        stops.append(stop)
     return wall, cpu
 
 
@@ -262,7 +265,7 @@ def profile_step(trainer: object, path: str) -> dict:
 
 
 def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, model_overrides: dict,
-               profile_dir: str | None) -> dict | None:
+               profile_dir: str | None, trace_dir: str | None = None) -> dict | None:
     from trainer.trainer import Trainer
 
     rank = torch.distributed.get_rank()
@@ -286,7 +289,8 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
 
     # Speed phase (see the module doc): the trainer, then the plain model on the same batches.
     training_allocator()
-    wall, cpu = instrument(trainer.engine)
+    stops: list = []
+    wall, cpu = instrument(trainer.engine, stops)
     parts = time_trainer_parts(trainer)
     batches = record_batches(trainer)
     global_batches: list[list[dict]] = []
@@ -320,13 +324,19 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             "zb_orders": getattr(trainer.engine, "zb_orders", None), "zb_share": getattr(trainer.engine, "zb_share", None)}
     if profile_dir and torch.distributed.get_world_size() == 1:
         mine["profile"] = profile_step(trainer, os.path.join(profile_dir, f"{layout['name']}.profile.txt"))
+    if trace_dir:  # bench/timeline.py: untimed by the speed phase's instruments
+        from bench.timeline import trace_phase
+
+        stops.pop()()
+        trace = trace_phase(trainer, layout["steps"], os.path.join(trace_dir, f"{layout['name']}.timeline"))
     ranks = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(ranks, mine)
     partition = [int(x) for x in trainer.module.parts]
     if rank != 0:
         return None
     return {"layout": layout, "steps": steps, "batches": batches, "memory_batches": memory_batches,
-            "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size}
+            "ranks": ranks, "partition": partition, "vocab_size": cfg.model.vocab_size,
+            "timeline": trace if trace_dir else None}
 
 
 def live_tensor_memory(trainer: object) -> dict:
@@ -390,6 +400,7 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, help="prepared data (linked into every run dir)")
     parser.add_argument("--out", required=True, help="JSON results, written by rank 0")
     parser.add_argument("--profile-dir", help="profile one extra step of single-process layouts here")
+    parser.add_argument("--trace-dir", help="trace interleaved steps (bench/timeline.py); the timelines go here")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
 
@@ -399,7 +410,7 @@ def main() -> None:
     with open(args.layout) as f:
         spec = json.load(f)
     result = run_layout(args.config, spec["layout"], args.work_dir, args.data_dir, spec.get("model", {}),
-                        args.profile_dir)
+                        args.profile_dir, args.trace_dir)
     if result is not None:
         with open(args.out, "w") as f:
             json.dump(result, f)

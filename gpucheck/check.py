@@ -21,7 +21,9 @@ Parts, in the order of what matters most when time runs out (PARTS):
             compiled costs where measured)
   ops       ./run.sh bench ops' layer counts at d = 1024 in bf16: kernel operations per layer kind
             eager and compiled, graph breaks, graphs per kind over varying shapes, logit cost
-  pp2       host syncs at pp = 2: two ranks; on a machine with one GPU, two CPU ranks (saying so)
+  pp2       host syncs at pp = 2: two ranks; on a machine with one GPU, two CPU ranks (saying so);
+            then a traced step, whose timeline comes back as trace.json (`syncs` traces one at pp = 1
+            on the GPU: device events, its numbers in results.jsonl)
   tests     ./run.sh test-gpu
 
 Limits: each part runs as `timeout -k GRACE LIMIT …` in a process session of its own; a part still
@@ -33,10 +35,11 @@ command that runs just those. --rehearse runs every part on this machine's CPU a
 limits scaled by --scale (default 1 + the load per core).
 
 OUT gets at most 8 files (what a device run hands back): results.jsonl (every measurement, one JSON
-line each, appended as it is made: bench/gpu_results.py), summary.md (rewritten after every part),
-versions.txt, train.json (the planner's file, docs/bench/gpu-<type>/train.json), ops.json,
-costs.json (planner/zb.py's), replay.md, logs.txt (each part's last lines). Scratch goes to a
-temporary folder outside OUT.
+line each, appended as it is made: bench/gpu_results.py), summary.md (rewritten after every part;
+the replay's table is a section of it, kept in results.jsonl), versions.txt, train.json (the
+planner's file, docs/bench/gpu-<type>/train.json), ops.json, costs.json (planner/zb.py's),
+trace.json (the pipelined part's timeline: Chrome trace events, for ui.perfetto.dev), logs.txt (each
+part's last lines). Scratch goes to a temporary folder outside OUT.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ from runtime.accelerator import HOST
 from schema.text import count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MADE = ("summary.md", "versions.txt", "train.json", "ops.json", "costs.json", "replay.md")
+MADE = ("summary.md", "versions.txt", "train.json", "ops.json", "costs.json", "trace.json")
 """The files a check writes into OUT besides results.jsonl and logs.txt (which gpu_check.sh's wheel
 install starts, and the check continues)."""
 GRACE = 5
@@ -349,8 +352,7 @@ def main(argv: list[str] | None = None) -> int:
                 tail = f.readlines()[-150:]
             logs[part.name] = "".join(tail)
             outcome["last_line"] = next((line.strip() for line in reversed(tail) if line.strip()), "")[:300]
-            if part.name == "replay" and os.path.exists(os.path.join(work, "replay", "zb-replay.md")):
-                shutil.copy(os.path.join(work, "replay", "zb-replay.md"), os.path.join(out, "replay.md"))
+            keep_files(part.name, work, out, jsonl)
         outcome["at_seconds"] = round(time.monotonic() - started, 1)
         results.append_jsonl(jsonl, {**outcome, "part": "check"})
         outcomes.append(outcome)
@@ -365,13 +367,13 @@ def main(argv: list[str] | None = None) -> int:
 def merge(out: str, folders: list[str], summary) -> int:
     """OUT from the folders of several checks (a run and the reruns of its missing parts): their
     results.jsonl lines in order, the files made of them, a summary whose parts are each part's
-    last outcome; versions.txt, replay.md and logs.txt from the last folder that has them."""
+    last outcome; versions.txt, trace.json and logs.txt from the last folder that has them."""
     os.makedirs(out, exist_ok=True)
     records = results.read_jsonl(*(os.path.join(f, "results.jsonl") for f in folders))
     jsonl = os.path.join(out, "results.jsonl")
     with open(jsonl, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
-    for name in ("versions.txt", "replay.md", "logs.txt"):
+    for name in ("versions.txt", "trace.json", "logs.txt"):
         for folder in reversed(folders):
             if os.path.exists(os.path.join(folder, name)) and os.path.abspath(folder) != os.path.abspath(out):
                 shutil.copy(os.path.join(folder, name), os.path.join(out, name))
@@ -385,6 +387,19 @@ def merge(out: str, folders: list[str], summary) -> int:
         f.write(text)
     print(text)
     return 0
+
+
+def keep_files(part: str, work: str, out: str, jsonl: str) -> None:
+    """What a part made besides its results, within OUT's 8 files: the replay's table as a line of
+    results.jsonl (summary.md shows it), the pipelined part's timeline as OUT/trace.json (the file
+    bench ops names in its trace_pp2 result)."""
+    if part == "replay" and os.path.exists(os.path.join(work, "replay", "zb-replay.md")):
+        with open(os.path.join(work, "replay", "zb-replay.md"), encoding="utf-8") as f:
+            results.append_jsonl(jsonl, {"part": "replay", "text": f.read()})
+    if part == "pp2":
+        traced = results.ops_result(results.read_jsonl(jsonl)).get("trace_pp2", {})
+        if traced.get("paths") and os.path.exists(traced["paths"][0]):
+            shutil.copy(traced["paths"][0], os.path.join(out, "trace.json"))
 
 
 def _write_outputs(out, jsonl, header, outcomes, logs, chosen, summary) -> None:

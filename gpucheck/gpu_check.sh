@@ -10,7 +10,7 @@
 # (gpucheck/wheels.sh makes them: a pure-Python DeepSpeed and a few small packages; pip
 # --no-index --no-deps, seconds). Then gpucheck/check.py runs the parts (its docstring lists them),
 # each under `timeout -k`, inside one budget, and writes OUT: summary.md, versions.txt,
-# results.jsonl, train.json, ops.json, costs.json, replay.md, logs.txt (at most 8 files, what a
+# results.jsonl, train.json, ops.json, costs.json, trace.json, logs.txt (at most 8 files, what a
 # device run hands back).
 set -uo pipefail
 OUT=${1:?usage: gpucheck/gpu_check.sh OUT [--rehearse] [--only PARTS] [--skip PARTS] [--budget SECONDS]}

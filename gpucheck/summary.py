@@ -139,5 +139,28 @@ def summary(header: dict, outcomes: list[dict], made: dict, order: list[str]) ->
         if o["name"] == "tests" and o.get("last_line"):
             lines.append(f"GPU suite (./run.sh test-gpu): {o['last_line']}")
     if costs:
-        lines.append(f"Zero-bubble costs measured: {', '.join(costs['modes'])} (costs.json); replay: replay.md.")
+        lines.append(f"Zero-bubble costs measured: {', '.join(costs['modes'])} (costs.json).")
+    lines += timeline(ops)
+    replays = [r["text"] for r in made.get("records", []) if r.get("part") == "replay"]
+    if replays:
+        lines += ["", "## Zero-bubble replay (bench/zb_replay.py on costs.json)", "", replays[-1].strip()]
     return "\n".join(lines) + "\n"
+
+
+def timeline(ops: dict) -> list[str]:
+    """The traced steps of the syncs and pp2 parts (bench ops' trace_pp<N>): syncs with the tracer on,
+    and the pipelined one's bubble, whose timeline is trace.json."""
+    lines = []
+    for key in sorted(k for k in ops if k.startswith("trace_pp")):
+        t, pp = ops[key], key[len("trace_pp"):]
+        clock = "device events" if t.get("device_clock") else f"host clock, {t.get('device')}"
+        lines.append(f"Traced step at pp = {pp} ({clock}" + (f"; {t['ranks_on']}" if t.get("ranks_on") else "") +
+                     f"): {t['per_microbatch']:g} host syncs per micro-batch, {t['per_step']:g} in the step with the "
+                     "tracer's own (its clock exchange, one read of the events after the step, the gather).")
+        bubble = t.get("bubble")
+        if bubble and pp != "1":
+            row = (lambda values: " / ".join(f"{v:.3f}" for v in values))
+            lines.append(f"Pipeline bubble per stage at pp = {pp}: {row(bubble['trace']['stage_bubble'])} in the trace, "
+                         f"{row(bubble['simulator']['stage_bubble'])} simulated at its F, B, W costs; trace.json opens in "
+                         "ui.perfetto.dev (Open trace file) or chrome://tracing.")
+    return lines

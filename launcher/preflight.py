@@ -87,6 +87,27 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: run_dir: {sub} exists and is not a folder; move it away")
 
 
+def check_trace_steps(cfg: RunConfig, where: str) -> None:
+    """train.trace_steps of this launch: steps of a resumed run up to the step it resumes from ran
+    already, so they can be traced no more (those whose timeline the run directory holds are passed
+    over: the same config resumes); one rank gets a note: one track, no pipeline bubble.
+    (Steps beyond train.max_steps are refused with the config, trainer/config.py.)"""
+    from trainer.timeline import traced_steps
+
+    steps = sorted(set(cfg.train.trace_steps))
+    if not steps:
+        return
+    done = newest_step(cfg)
+    if done is not None:
+        early = [s for s in steps if s <= done and s not in traced_steps(cfg.run_dir)]
+        if early:
+            raise ConfigError(f"{where}: train.trace_steps={steps} names step {early[0]}, which ran before the step this "
+                              f"run resumes from ({done}); choose steps within {done + 1}..{cfg.train.max_steps}")
+    if cfg.world_size == 1:
+        print("note: train.trace_steps on a layout of one rank: its timeline has one track and no pipeline bubble "
+              "(nothing waits for another stage)", flush=True)
+
+
 def check_resume(cfg: RunConfig, where: str) -> dict | None:
     """An existing run directory is resumed: refuse a config whose model or layout differs from
     the one its checkpoints were trained with (`saved_run_config`), naming the keys (the keys

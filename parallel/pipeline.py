@@ -224,12 +224,16 @@ class TranslationPipe(PipelineModule):
         lines = []
         for stage in range(self.num_stages):
             lo, hi = self.parts[stage], self.parts[stage + 1]
-            kinds = [p.kind for p in self._plan[lo:hi]]
-            summary = ", ".join(f"{k}×{kinds.count(k)}" if kinds.count(k) > 1 else k
-                                for k in dict.fromkeys(kinds))
             share = 100 * sum(self._costs[lo:hi]) / total
-            lines.append(f"  stage {stage}: layers {lo}-{hi - 1} ({summary}), {share:.1f}% of cost")
+            lines.append(f"  stage {stage}: {self.stage_layers(stage)}, {share:.1f}% of cost")
         return "\n".join(lines)
+
+    def stage_layers(self, stage: int) -> str:
+        """`layers LO-HI (kinds)` of a stage, as the partition names them (and the timeline)."""
+        lo, hi = self.parts[stage], self.parts[stage + 1]
+        kinds = [p.kind for p in self._plan[lo:hi]]
+        summary = ", ".join(f"{k}×{kinds.count(k)}" if kinds.count(k) > 1 else k for k in dict.fromkeys(kinds))
+        return f"layers {lo}-{hi - 1} ({summary})"
 
 
 def plain_name(plan: list, path: str) -> str | None:

@@ -224,3 +224,11 @@ def _driver_version() -> str:
         return pynvml.nvmlSystemGetDriverVersion()
     except Exception:  # noqa: BLE001 - the driver version is informative only
         return "?"
+
+
+def timing_event():
+    """A device event that can be recorded on the current stream and timed against another
+    (`elapsed_time`, ms) once both happened: the GPU's clock for spans of work the host only queues."""
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)

@@ -2,8 +2,9 @@
 
 One rehearsal runs every part at tiny shapes, one of them (eager) made to hang after its first
 result while ignoring SIGTERM: it is killed at its limit, keeps that result, and every other part's
-results, the files the planner reads and the summary (with the command that reruns just the
-missing part) still come back, in at most the 8 files a device run hands back. The rest checks
+results, the files the planner reads, the pipelined part's timeline and the summary (with the
+command that reruns just the missing part) still come back, in at most the 8 files a device run
+hands back. The rest checks
 the runner's pieces without torch: the kill of a part that ignores SIGTERM and of what it started
 in a session of its own, the budget that cuts parts, the merge of a run and its rerun, and the
 train.json the planner reads."""
@@ -20,7 +21,7 @@ from bench import gpu_results
 from gpucheck import check as gpu_check
 from tests.conftest import ROOT
 
-HANDED_BACK = {"summary.md", "versions.txt", "results.jsonl", "train.json", "ops.json", "costs.json", "replay.md",
+HANDED_BACK = {"summary.md", "versions.txt", "results.jsonl", "train.json", "ops.json", "costs.json", "trace.json",
                "logs.txt"}
 STALL_LIMIT = 20
 
@@ -78,9 +79,23 @@ def test_the_counts_and_costs_come_back(rehearsal):
     assert [(r["per_microbatch"], r["per_step"]) for r in two] == [(0.0, 1.0), (0.0, 1.0)]
     costs = json.loads((out / "costs.json").read_text())
     assert set(costs["modes"]) == {"eager"} and set(costs["modes"]["eager"]) == {"embed", "encoder", "decoder", "output"}
-    assert "| 2 |" in (out / "replay.md").read_text()
     summary = (out / "summary.md").read_text()
+    assert "| 2 |" in summary.split("## Zero-bubble replay")[1]  # the replay's table, folded into the summary
     assert re.search(r"\b\d+ skipped", summary) and not re.search(r"\b\d+ failed", summary)  # the GPU suite ran
+
+
+def test_the_pipelined_part_comes_back_as_a_timeline(rehearsal):
+    """The pp2 part's traced step is OUT/trace.json (Chrome trace events, one process per rank); a traced
+    step has no host sync inside its micro-batch instructions, at pp = 1 and pp = 2."""
+    out, _ = rehearsal
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["otherData"]["pp"] == 2 and trace["otherData"]["steps"] == [5]  # 2 + 2 counted steps, then it
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1} and {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"compute", "recv", "send"}
+    ops = json.loads((out / "ops.json").read_text())
+    assert ops["trace_pp1"]["per_microbatch"] == 0 and ops["trace_pp1"]["hook_calls"] > 0
+    assert ops["trace_pp2"]["per_microbatch_by_rank"] == [0, 0] and ops["trace_pp2"]["hook_calls"] > 0
+    assert "Pipeline bubble per stage at pp = 2" in (out / "summary.md").read_text()
 
 
 def test_one_package_list_for_the_wheels_and_the_versions(rehearsal):

@@ -29,6 +29,8 @@ ELSEWHERE = {
                      "(compiling on CPU costs 10-20 s a layer kind)",
     "data.workers": "tests/test_data.py::test_prepare_is_idempotent_and_batching_settings_do_not_redo_it "
                     "(read by ./run.sh prepare only: the prepared files do not depend on it)",
+    "train.trace_steps": "tests/test_timeline.py::test_a_resumed_run_traces_its_new_steps_and_notes_the_old_ones "
+                         "(its traced runs are resumed there)",
 }
 
 

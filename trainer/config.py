@@ -380,6 +380,10 @@ def validate(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}: train.instrument_interval > 0 records per-layer gradients from autograd's "
                           f"accumulation hooks, which {p.schedule}'s deferred weight gradients bypass; set it to 0 "
                           f"or use parallel.schedule: {keeps}")
+    beyond = sorted(s for s in set(t.trace_steps) if s > t.max_steps)
+    if beyond:
+        raise ConfigError(f"{where}: train.trace_steps={t.trace_steps} names step {beyond[0]}, beyond "
+                          f"train.max_steps={t.max_steps}; choose steps within 1..{t.max_steps}")
     n_layers = m.encoder_layers + m.decoder_layers
     if p.pipeline_stages > n_layers:
         raise ConfigError(f"{where}: parallel.pipeline_stages={p.pipeline_stages} exceeds the model's "

@@ -4,7 +4,7 @@ annotation (schema/fields.py: Range/Rule, Literal); trainer/config.py reads it f
 the rules across sections."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 from schema.fields import NonNegative, Positive, Range, Rule, Seed
@@ -56,6 +56,13 @@ class TrainConfig:
     instrument_interval: NonNegative = 0
     """Log the stability instruments (model update ‖ΔF‖ on a probe batch, per-layer gradient
     norms, LayerNorm input sizes; see trainer/stability.py) every this many steps; 0 = off."""
+    trace_steps: Annotated[list[int], Range(ge=1)] = field(default_factory=list)
+    """Steps whose timeline is recorded on every rank and written after the last of them as
+    run_dir/timeline-A-B.json (Chrome trace events: ui.perfetto.dev or chrome://tracing opens it)
+    and .png (a Gantt chart), with the bubble per stage read from the trace beside the simulator's.
+    [20, 21] traces the 20th and 21st optimizer steps: every rank's forwards, backwards, weight
+    passes, sends, receives, reductions, optimizer step and data loading (docs/pipeline.md). Steps
+    within 1..max_steps, after the step a resumed run starts from; empty: nothing is recorded."""
     # ---- fault tolerance (launcher/procs.py, trainer/guard.py, checkpoint/manifest.py) ----
     collective_timeout_seconds: Annotated[float, Range(gt=0.0)] = 600.0
     """A collective (all-reduce, pipeline send/recv, barrier) that waits longer than this fails on

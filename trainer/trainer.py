@@ -40,6 +40,7 @@ from trainer.run_dir import (
     record_stop,
     relaunch,
 )
+from trainer.timeline import trainer_timeline
 
 # Preemption: SLURM sends SIGUSR1 before the time limit (sbatch --signal=B:USR1@T; the job script
 # forwards it to every rank), SIGTERM on scancel and at the limit, or anyone may signal a single
@@ -162,6 +163,7 @@ class Trainer:
         # with the step on resume.
         self.step_blocks = step_blocks(self.module)
         set_training_step(self.step_blocks, self.step)
+        self.timeline = trainer_timeline(self)  # train.trace_steps (trainer/timeline.py); None: nothing recorded
         self.stability = None
         if cfg.train.instrument_interval > 0:
             from trainer.stability import StabilityLogger
@@ -206,9 +208,13 @@ class Trainer:
     def train_step(self) -> dict:
         m = self.cfg.train.micro_batches
         dp, replica = self.layout.dp, self.layout.replica
-        batches = self.stream.next_step(m * dp)
-        total = sum(int(b["ntokens"]) for b in batches)
-        mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
+        timeline = self.timeline if self.timeline is not None and self.timeline.wants(self.step + 1) else None
+        if timeline is not None:
+            timeline.begin(self.step + 1)
+        with timeline.span("data loader", "data") if timeline is not None else contextlib.nullcontext():
+            batches = self.stream.next_step(m * dp)
+            total = sum(int(b["ntokens"]) for b in batches)
+            mine = to_pipe(batches[replica * m:(replica + 1) * m], m * dp, total)
         set_training_step(self.step_blocks, self.step)
         heartbeat.at(self.step, "train")
         self.guard.step_loss = None
@@ -217,6 +223,8 @@ class Trainer:
         with self.stability.gradients(self.step + 1) if self.stability else contextlib.nullcontext() as grads:
             loss = self.engine.train_batch(iter(mine))
         elapsed = time.perf_counter() - start
+        if timeline is not None:
+            timeline.end()  # the files are written after the last traced step (every rank takes part)
         if self.compiled and self.step == 0 and self.layout.rank == 0:
             log0(f"compiled layers: {compiled_summary()} (first step {elapsed:.1f} s)")
         self.step += 1

@@ -20,6 +20,7 @@ from launcher.preflight import (
     check_relaunch,
     check_resume,
     check_run_dir,
+    check_trace_steps,
     end_run_here,
 )
 from launcher.procs import die_with_parent_shell, supervise
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if verdict == FINISHED:
         print(line, flush=True)
         return 0
+    check_trace_steps(cfg, args.config)
     check_device(cfg, args.config)
     check_init_from(cfg, args.config)  # a fine-tuning run's source fits the model and the vocabulary
     check_corpus(cfg.data)  # what needs no pass over the text; the rest is checked while preparing
