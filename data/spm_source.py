@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 import zipfile
 
@@ -43,10 +44,17 @@ def read_spm(source: str) -> bytes:
             import torch
 
             try:
-                # storages stay in host memory where they were saved (no device is named outside
-                # parallel/accelerator.py); only the SentencePiece bytes are read
+                # Weights-only: tensors and plain values, nothing that runs code (the rule and the
+                # words of parallel/safe_load.py, which data/ does not import). Storages stay in host
+                # memory where they were saved (no device is named outside parallel/accelerator.py);
+                # only the SentencePiece bytes are read.
                 package = torch.load(source, map_location=lambda storage, _: storage, mmap=True, weights_only=True)
             except Exception as e:  # refused unpickling, a damaged archive
+                refused = re.search(r"GLOBAL (\S+)", str(e))
+                if refused:
+                    name = refused.group(1)[:200] if "." in refused.group(1) else f"builtins.{refused.group(1)[:200]}"
+                    raise DataError(f"{where}: holds {name}, which is not loaded: only tensors and plain values "
+                                    "are (anything else could run code)") from None
                 raise DataError(f"{where}: cannot be read as a model file ({type(e).__name__})") from None
             data = package.get("spm_model") if isinstance(package, dict) else None
             if not isinstance(data, bytes):

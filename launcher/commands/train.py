@@ -13,8 +13,8 @@ import yaml
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from trainer.config import ConfigError, load_config, to_dict
-from launcher.preflight import (check_device, check_directions, check_init_from, check_relaunch, check_resume,
-                                check_run_dir, end_run_here)
+from launcher.preflight import (check_checkpoint_files, check_device, check_directions, check_init_from,
+                                check_relaunch, check_resume, check_run_dir, end_run_here)
 from launcher.procs import die_with_parent_shell, supervise
 from trainer.signals import PREEMPTED_EXIT_CODE
 from launcher.runlock import RunDirBusy, RunLock
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, run_dir_override(args), sets=args.sets, cwd=caller_cwd())
     check_run_dir(cfg, args.config)
     saved = check_resume(cfg, args.config)
+    check_checkpoint_files(cfg, args.config)  # nothing the ranks would load can run code
     verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
     if verdict == BELOW:
         raise ConfigError(line)
