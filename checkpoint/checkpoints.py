@@ -4,8 +4,9 @@ A DeepSpeed pipeline checkpoint (`<run_dir>/checkpoints/<tag>/`) holds one
 `layer_XX[-model_YY]-model_states.pt` per layer of the plan (written by the data-parallel rank 0
 of the stage owning it; the tied output layer has no file of its own), `mp_rank_XX_model_states.pt`
 per stage (engine state plus the trainer's client state, including the run config) and the ZeRO
-optimizer shards. Only tensors, dicts and plain values are in them, so everything here is read
-with `torch.load(weights_only=True)`: a checkpoint from elsewhere cannot run code when loaded.
+optimizer shards. Everything here is read by runtime/safe_load.py: weights-only, with the few
+DeepSpeed types each file needs, after every file of the folder was checked that way; a
+checkpoint or model file from elsewhere cannot run code when loaded.
 
 Consolidated file (`torch.save` of a dict, read back with weights_only=True):
     format        CONSOLIDATED_FORMAT
@@ -29,8 +30,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
@@ -41,7 +40,7 @@ from model.config import ModelConfig
 from model.layers import split_fused_projections
 from model.transformer import EncoderDecoder, layer_plan
 from parallel.pipeline import plain_state_dict
-from runtime.accelerator import HOST
+from runtime import safe_load
 from schema.text import count
 
 CONSOLIDATED_FORMAT = "deepnet-consolidated-1"
@@ -89,31 +88,26 @@ def locate(path: str, tag: str | None = None) -> tuple[str, str, str]:
 MODEL_EXPECTED = "a consolidated model file (./run.sh convert consolidate RUN_DIR) or a run directory"
 
 
-def load_file(path: str, expected: str = "a checkpoint file written by this trainer", *, mmap: bool = False,
-          allowed: tuple = ()) -> dict:
-    """`torch.load` of tensors and plain values only (and the classes `allowed`); `mmap`: tensors
-    are read when touched. A file that is not one raises CheckpointError: one line naming it, why
-    and what was `expected` (never torch's advice to load it unsafely)."""
-    import pickle
-    import warnings
-
+def load_file(path: str, expected: str = "a checkpoint file written by this trainer", *, mmap: bool = False) -> dict:
+    """A PyTorch file loaded without running code (runtime/safe_load.py: tensors, plain values
+    and the types its name allows); `mmap`: tensors are read when touched. A file that is not one
+    raises CheckpointError: one line naming it and why (and for an unreadable or foreign file, what
+    was `expected`), never torch's advice to load it unsafely."""
     try:
-        with torch.serialization.safe_globals(list(allowed)), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's notes on pickle protocols, addressed to its own tracker
-            return torch.load(path, map_location=HOST, mmap=mmap, weights_only=True)
-    except OSError as e:
-        why = f"cannot be read ({e.strerror or e})"
-    except pickle.UnpicklingError as e:  # torch refused it, or it is not a pickle at all
-        why = ("holds objects other than tensors and plain values, which are not loaded (that could run code)"
-               if "Unsupported global" in str(e) else "not a PyTorch file")
-    except Exception as e:  # a truncated archive, an empty or foreign file
-        why = ("an empty file" if os.path.isfile(path) and os.path.getsize(path) == 0 else
-               "a damaged or truncated PyTorch file" if "zip archive" in str(e) else "not a PyTorch file")
-    raise CheckpointError(f"{path}: {why}; expected {expected}") from None
+        return safe_load.load(path, mmap=mmap)
+    except safe_load.UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    except safe_load.UnreadableFile as e:
+        raise CheckpointError(f"{e}; expected {expected}") from None
 
 
 def checkpoint_meta(tag_dir: str) -> dict:
-    """Engine and client state of stage 0: step, run config, layout."""
+    """Engine and client state of stage 0: step, run config, layout. First every file of
+    the folder is checked to load without running code (`safe_load.check_folder`): a folder with
+    one that does not is refused before any of it is used."""
+    refusal = safe_load.check_folder(tag_dir)
+    if refusal:
+        raise CheckpointError(refusal)
     state = load_file(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     if state.get("config") is None:
         raise CheckpointError(f"{tag_dir}: no run config in the checkpoint's client state; it was not "
@@ -264,10 +258,8 @@ def keep_loss_scale(tag_dir: str, universal_dir: str) -> None:
     universal format has no place for it (DeepSpeed's load passes no scaler state), and without it
     a resharded run would start again at 2^16 and overflow its way back down. Every rank's shard
     holds the same state (an overflow is decided globally); none for fp32 and bf16."""
-    from deepspeed.utils.tensor_fragment import fragment_address  # named in the optimizer shards
-
     for path in sorted(glob.glob(os.path.join(tag_dir, "*optim_states.pt")))[:1]:
-        shard = load_file(path, mmap=True, allowed=(fragment_address,))  # the scaler's few numbers, not the moments
+        shard = load_file(path, mmap=True)  # the scaler's few numbers, not the moments
         state = (shard.get("optimizer_state_dict") or {}).get("loss_scaler_state")
         if state:
             with open(os.path.join(universal_dir, LOSS_SCALE_FILE), "w", encoding="utf-8") as f:
@@ -298,9 +290,10 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
     """
     run_dir, tag_dir, tag = locate(source, tag)
     meta = checkpoint_meta(tag_dir)
-    if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
-        raise CheckpointError(f"{tag_dir} has no ZeRO optimizer shards; resharding needs a checkpoint "
-                              "trained with parallel.zero_stage: 1")
+    zero_stage = (meta["config"].get("parallel") or {}).get("zero_stage", 1)
+    if zero_stage == 0 or not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        what = "was trained with parallel.zero_stage: 0" if zero_stage == 0 else "has no ZeRO optimizer shards"
+        raise CheckpointError(f"{tag_dir} {what}; resharding needs a checkpoint trained with parallel.zero_stage: 1")
     run_cfg = json.loads(json.dumps(meta["config"]))  # tuples → lists, a private copy
     old = dict(run_cfg["parallel"])
     if old.get("tensor_parallel", 1) > 1:
@@ -330,11 +323,11 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
     universal_tag = f"universal-{tag}"  # not 'step*': the trainer's clean-up of old tags skips it
     work = os.path.join(ckpt_dir, f".{universal_tag}.tmp")
     shutil.rmtree(work, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag_dir,
-           "--output_folder", work, "--inject_missing_state", "--num_extract_workers", "2",
-           "--num_merge_workers", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    # checkpoint_meta checked every file of tag_dir; the conversion also runs with every torch.load
+    # weights-only (DeepSpeed's asks for weights_only=False), in case a file changed since
+    proc = safe_load.run_process("deepspeed.checkpoint.ds_to_universal", [
+        "--input_folder", tag_dir, "--output_folder", work, "--inject_missing_state", "--num_extract_workers", "2",
+        "--num_merge_workers", "2"], env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
         shutil.rmtree(work, ignore_errors=True)
         raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"

@@ -41,14 +41,14 @@ def read_spm(source: str) -> bytes:
     where = f"data.spm_model={source!r}"
     if os.path.isfile(source):
         if zipfile.is_zipfile(source):  # a torch.save archive: a consolidated model file
-            import torch
+            from runtime.safe_load import UnreadableFile, UnsafeFile, load
 
-            try:
-                # storages stay in host memory where they were saved (no device is named outside
-                # runtime/accelerator.py); only the SentencePiece bytes are read
-                package = torch.load(source, map_location=lambda storage, _: storage, mmap=True, weights_only=True)
-            except Exception as e:  # refused unpickling, a damaged archive
-                raise DataError(f"{where}: cannot be read as a model file ({type(e).__name__})") from None
+            try:  # weights-only: nothing that runs code; memory-mapped: only the SentencePiece bytes are read
+                package = load(source, allowed=(), mmap=True)
+            except UnsafeFile as e:
+                raise DataError(f"{where}: {str(e).split(': ', 1)[1]}") from None
+            except UnreadableFile as e:
+                raise DataError(f"{where}: cannot be read as a model file ({e.why})") from None
             data = package.get("spm_model") if isinstance(package, dict) else None
             if not isinstance(data, bytes):
                 raise DataError(f"{where}: this file holds no SentencePiece model; give a .model file, a run "

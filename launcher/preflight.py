@@ -125,6 +125,26 @@ def check_resume(cfg: RunConfig, where: str) -> dict | None:
     return saved
 
 
+def check_checkpoint_files(cfg: RunConfig, where: str) -> None:
+    """Every checkpoint the ranks may resume (the committed ones, else the universal one of
+    `./run.sh convert reshard`) holds only what loads without running code (runtime/safe_load.py):
+    a file that needs another type is refused here, naming it and the type, before any rank starts
+    and before anything is written. The ranks check the one they load again."""
+    from checkpoint import manifest
+    from runtime import safe_load
+    from checkpoint.checkpoints import UNIVERSAL_LATEST
+
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    folders = [os.path.join(ckpt_dir, tag) for tag in manifest.committed_tags(ckpt_dir)]
+    if not folders and os.path.isfile(os.path.join(ckpt_dir, UNIVERSAL_LATEST)):
+        with open(os.path.join(ckpt_dir, UNIVERSAL_LATEST), errors="replace") as f:
+            folders.append(os.path.join(ckpt_dir, f.read().strip()))
+    for folder in folders:
+        refusal = safe_load.check_folder(folder)
+        if refusal:
+            raise ConfigError(f"{where}: {refusal}")
+
+
 def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:
     """What this launch does with the run directory (trainer/run_dir.py `relaunch`): TRAIN,
     FINISHED, END_HERE or BELOW, and the line that says so. TRAIN on a resumed run prints the

@@ -20,6 +20,8 @@ not a torch one).
   copies, and without the all-reduce over a group of one at dp = 1. The conversion stays: in bf16
   DeepSpeed rounds the fp32 sums to bf16 there even at dp = 1 (its communication_data_type
   default), and the numbers equal its BF16_Optimizer's only with that rounding.
+* `_configure_checkpointing`: DeepSpeed's checkpoint engine loads with `weights_only=False`; the
+  engine gets runtime/safe_load.py's, whose loads are weights-only with DeepSpeed's few types.
 * `clip_fp32_gradients`, `zero_grad`: the optimizer clips and clears the flat buffer (at ZeRO
   stage 0 in fp32 DeepSpeed's engine would clip the module's `.grad` by its own norm and then set
   them to None; the fold has already moved them into the buffer and freed them).
@@ -36,10 +38,12 @@ from collections.abc import Callable
 
 import torch
 from deepspeed import comm as ds_comm
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from parallel import optimizer as flat
 from parallel.pipe_io import MessageIO
+from runtime import safe_load
 
 
 class TrainerEngine(MessageIO, PipelineEngine):
@@ -107,6 +111,17 @@ class TrainerEngine(MessageIO, PipelineEngine):
             if names is not None:
                 return self._get_all_zero_checkpoint_state_dicts(names)
         return None
+
+    def _configure_checkpointing(self):
+        """DeepSpeed's, with its checkpoint engine replaced by runtime/safe_load.py's, whose loads are
+        weights-only: DeepSpeed's own loads with weights_only=False, so a file of a checkpoint from
+        elsewhere could run code on resume. Only DeepSpeed's torch engine is built from the configs
+        this trainer writes (the others come with `checkpoint.writer` or `datastates` settings)."""
+        super()._configure_checkpointing()
+        if type(self.checkpoint_engine) is not TorchCheckpointEngine:
+            raise RuntimeError(f"DeepSpeed built a {type(self.checkpoint_engine).__name__}; the trainer loads "
+                               "checkpoints only through its weights-only engine (runtime/safe_load.py)")
+        self.checkpoint_engine = safe_load.SafeCheckpointEngine(self._config)
 
     def _configure_optimizer(self, client_optimizer, model_parameters):
         if not flat.applies(self, client_optimizer):

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from runtime import safe_load
 from runtime.accelerator import HOST
 
 
@@ -59,7 +60,7 @@ def load(checkpoint_dir: str, rank: int) -> bool:
     target = path(checkpoint_dir, rank)
     if not os.path.exists(target):
         return False
-    saved = torch.load(target, weights_only=True)
+    saved = safe_load.load(target)  # tensors only: a file from elsewhere runs no code
     torch.set_rng_state(saved[HOST])
     if saved["accelerator"] is not None:
         get_accelerator().set_rng_state(saved["accelerator"])

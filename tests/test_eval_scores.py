@@ -180,7 +180,7 @@ def test_a_file_that_is_not_a_model_gets_one_line(tiny_run, tmp_path, capsys):
     folder = tmp_path / "folder"
     folder.mkdir()
     threads = torch.get_num_threads()
-    for path, why in ((evil, "holds objects other than tensors and plain values, which are not loaded (that could "
-                             "run code)"), (folder, "a folder without checkpoints/")):
+    for path, said in ((evil, "holds shutil.rmtree, which is not loaded: only tensors and plain values are (anything "
+                              "else could run code)"), (folder, f"a folder without checkpoints/; {EXPECTED}")):
         assert main(["translate", str(path), "--to", "de", "--threads", str(threads)]) == 2
-        assert capsys.readouterr().err == f"error: {path}: {why}; {EXPECTED}\n"
+        assert capsys.readouterr().err == f"error: {path}: {said}\n"

@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -25,8 +26,8 @@ except ImportError:  # not on every platform
 import torch
 
 from checkpoint import manifest
-from checkpoint.checkpoints import kept_loss_scale
-from runtime import rng
+from checkpoint.checkpoints import UNIVERSAL_LATEST, kept_loss_scale
+from runtime import rng, safe_load
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.progress import append_log, log0, note0
 from trainer.run_dir import record_stop, refusal_hint, resume_differences, saved_run_config, setting_changes
@@ -54,7 +55,7 @@ class Checkpointer:
         layout (checkpoint/checkpoints.py) and none of this trainer's; the engine must be built to
         load it. Once this run saves its own checkpoints, those take over."""
         return (not manifest.committed_tags(self.ckpt_dir)
-                and os.path.exists(os.path.join(self.ckpt_dir, "latest_universal")))
+                and os.path.exists(os.path.join(self.ckpt_dir, UNIVERSAL_LATEST)))
 
     def resume(self, newest_step: int | None = None) -> dict | None:
         """The trainer's state (`client` of `save`) from the newest checkpoint (at most `newest_step`)
@@ -78,6 +79,7 @@ class Checkpointer:
             tag_dir = os.path.join(self.ckpt_dir, tag)
             problems = manifest.verify(tag_dir)
             if not problems:
+                self.refuse_unsafe(tag_dir)  # a hash proves a file unchanged, not who made it
                 path, client = self._load(tag)
                 if path is None:
                     problems = [f"DeepSpeed could not load {tag_dir}"]
@@ -102,11 +104,36 @@ class Checkpointer:
         self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
                            "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
 
+    def refuse_unsafe(self, tag_dir: str) -> None:
+        """Stop every rank, before any loads a file of `tag_dir`, when one of its files needs
+        more than tensors, plain values and DeepSpeed's few types to load (runtime/safe_load.py):
+        rank 0 checks them (memory-mapped: only the pickles are read) and names the file and type."""
+        refusal = manifest.broadcast(safe_load.check_folder(tag_dir) if self.layout.rank == 0 else None)
+        if refusal:
+            self.stop_together(f"error: {refusal}", code=2)
+
     def _load(self, tag: str | None):
         """DeepSpeed's load_checkpoint of `tag` (None: what `latest_universal` names); what it prints
-        on the way (BF16_Optimizer's "_load_legacy_checkpoint …" on every rank) is dropped."""
-        with contextlib.redirect_stdout(io.StringIO()):
-            return self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
+        on the way (BF16_Optimizer's "_load_legacy_checkpoint …" on every rank) is dropped. Every file
+        is read weights-only: through the engine's safe checkpoint engine (parallel/engine.py), and
+        what DeepSpeed reads with torch.load itself (a universal checkpoint's files) is forced to be.
+        A file refused here (changed since `refuse_unsafe`) stops this rank with one line."""
+        folder = os.path.join(self.ckpt_dir, tag or self.universal_tag())
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), safe_load.forced():
+                return self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
+        except (safe_load.UnsafeFile, safe_load.UnreadableFile) as e:
+            refusal = str(e)
+        except pickle.UnpicklingError as e:  # refused by `forced`, which cannot name the file
+            name = safe_load.refused_global(str(e)) or "a pickle that is not a PyTorch file's"
+            refusal = safe_load.check_folder(folder) or f"{folder}: a file DeepSpeed read holds {name}, which is not loaded"
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+    def universal_tag(self) -> str:
+        """The tag `latest_universal` names (a universal checkpoint of `./run.sh convert reshard`)."""
+        with open(os.path.join(self.ckpt_dir, UNIVERSAL_LATEST), errors="replace") as f:
+            return f.read().strip()
 
     def stop_together(self, message: str, code: int = 1) -> None:
         """All ranks stop with exit `code` on the same finding: rank 0 prints `message` before any
@@ -136,6 +163,7 @@ class Checkpointer:
     def resume_universal(self) -> dict:
         """The universal checkpoint of `./run.sh convert reshard` (it has no manifest: not verified)."""
         self.check_compatible()
+        self.refuse_unsafe(os.path.join(self.ckpt_dir, self.universal_tag()))
         path, client = self._load(None)
         if path is None:
             raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint latest_universal cannot be "

@@ -26,6 +26,7 @@ from torch import nn
 
 from model.instruments import GradNorms, LayerNormInputs, OutputCapture, probe_masks, update_sums
 from model.transformer import layer_plan
+from runtime import safe_load
 
 
 def stage_layers(module: nn.Module, plan) -> dict[str, nn.Module]:
@@ -72,7 +73,10 @@ class StabilityLogger:
         """Take (step 0) or reload F(x, θ_0); log the starting point of a fresh run."""
         found = torch.tensor(0)
         if self.measures_delta and step > 0 and os.path.exists(self.ref_path):
-            saved = torch.load(self.ref_path, weights_only=True)
+            try:
+                saved = safe_load.load(self.ref_path)  # tensors and numbers only: nothing in it runs
+            except (safe_load.UnsafeFile, safe_load.UnreadableFile) as e:
+                raise SystemExit(f"error: {e}; remove it to measure against this step") from None
             self.reference, found = saved["output"], torch.tensor(1)
         output, ln = self._measure()
         if self.measures_delta and self.reference is None:

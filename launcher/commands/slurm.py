@@ -11,7 +11,7 @@ import sys
 
 from data.errors import DataError
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
-from launcher.preflight import check_init_from, check_resume, check_run_dir, check_trace_steps
+from launcher.preflight import check_checkpoint_files, check_init_from, check_resume, check_run_dir, check_trace_steps
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
 from schema.text import count
 from trainer.config import ConfigError, RunConfig, load_config, parse_set
@@ -215,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
     check_run_dir(cfg, args.config)
     check_resume(cfg, args.config)
     check_trace_steps(cfg, args.config)
+    check_checkpoint_files(cfg, args.config)  # the job's ranks check again before they load
     if not args.dry_run:  # the source of a fine-tuning job (a dry run may precede it)
         check_init_from(cfg, args.config)
     missing = None

@@ -14,6 +14,7 @@ import yaml
 from launcher.launch import DEFAULT_CONFIG, ROOT, deepspeed_command, launch_env
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
 from launcher.preflight import (
+    check_checkpoint_files,
     check_device,
     check_directions,
     check_init_from,
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
               "run_dir: runs/default in it to resume that run", file=sys.stderr, flush=True)
     check_run_dir(cfg, args.config)
     saved = check_resume(cfg, args.config)
+    check_checkpoint_files(cfg, args.config)  # nothing the ranks would load can run code
     verdict, line = check_relaunch(cfg, saved)  # before the device check, the data and the ranks
     if verdict == BELOW:
         raise ConfigError(line)

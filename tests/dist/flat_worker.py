@@ -8,7 +8,7 @@ exact:   for pp = 2 × dp = 1 and pp = 1 × dp = 2 (ZeRO-1: the master partition
          compares its own; rank 0 gathers the verdicts). The FlatOptimizer run at pp = 2 saves a
          checkpoint after `--save-at` steps and at the end.
 resume:  a fresh Trainer resumed from that checkpoint trains the remaining steps.
-consolidate: parallel/checkpoints.consolidate of the last checkpoint against the trained weights.
+consolidate: checkpoint/checkpoints.py consolidate of the last checkpoint against the trained weights.
 reshard: that checkpoint (pp = 2 × dp = 1) resharded to pp = 1 × dp = 2 (a DeepSpeed universal
          checkpoint) and trained on from there.
 fp16:    (with --fp16) pp = 2 in fp16: a loss scale of 2^40 forced before step 2 overflows; the
