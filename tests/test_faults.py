@@ -72,7 +72,8 @@ def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(worker, case, re
 
 
 def test_no_intact_checkpoint_stops_with_a_message(worker):
-    assert worker["result"]["damage"]["cases"]["none_intact"]["code"] == 1
+    # every rank refuses the launch together (exit 2, recorded as refused: tests/test_run_states.py)
+    assert worker["result"]["damage"]["cases"]["none_intact"]["code"] == 2
     lines = [line for line in worker["log"].splitlines() if "no intact checkpoint" in line]
     assert len(lines) == 1 and lines[0].startswith("error: no intact checkpoint in ") and "(checked: step4, step2)" in \
         lines[0], lines
