@@ -141,8 +141,11 @@ def cache_counters() -> dict[str, int]:
 def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup: int, precision: str,
             jsonl: str, stall_after: int = 0, trace_dir: str | None = None) -> None:
     """Train `shape` in this process (a world of one) at each micro-batch size; each size's
-    measurement appended to `jsonl` as it is made. `stall_after` N > 0: after N sizes, ignore
-    SIGTERM and hang (the GPU check's test of a part that must be killed)."""
+    measurement appended to `jsonl` as it is made. `stall_after` N > 0: after N sizes, hang,
+    ignoring SIGTERM from the start (the GPU check's test of a part that must be killed: it is
+    killed alike wherever its limit falls on a machine of any speed)."""
+    import signal
+
     import torch
 
     from bench.counting import KernelCounter
@@ -158,6 +161,8 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
     from trainer.config import RunConfig
     from trainer.guard import DivergenceGuard
 
+    if stall_after:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     started = time.perf_counter()
     setup_distributed()
     cfg = RunConfig(run_dir=os.path.join(ROOT, "runs", "bench-gpu", f"{shape}-{variant}"))
@@ -252,9 +257,6 @@ def measure(shape: str, variant: str, token_sizes: list[int], steps: int, warmup
                        os.path.join(trace_dir, f"{shape}-{variant}.timeline"), f"{shape} {variant}")
             totals, _ = instrument(engine, stops)
         if stall_after and done + 1 >= stall_after:
-            import signal
-
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             print("stalling (ignoring SIGTERM), as asked", flush=True)
             while True:
                 time.sleep(1)

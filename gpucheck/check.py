@@ -182,8 +182,10 @@ def versions(path: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def _sweep(marker: str) -> list[int]:
-    """SIGKILL every process whose environment carries `marker` (a part's, escaped from its group)."""
+def _sweep(marker: str, group: int | None = None) -> list[int]:
+    """SIGKILL every process whose environment carries `marker` (a part's, escaped from its group);
+    the ones escaped: not those of process group `group`, which the caller killed already (they may
+    still be on their way out, however soon that is on a loaded machine)."""
     killed = []
     needle = f"DEEPNET_CHECK_PART={marker}".encode()
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -193,7 +195,8 @@ def _sweep(marker: str) -> list[int]:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if needle in f.read().split(b"\0"):
                     os.kill(int(pid), signal.SIGKILL)
-                    killed.append(int(pid))
+                    if group is None or os.getpgid(int(pid)) != group:
+                        killed.append(int(pid))
         except OSError:
             continue
     return killed
@@ -225,21 +228,24 @@ def run_part(part: Part, command: list[str], limit: int, log: str, env: dict) ->
         proc = subprocess.Popen(["timeout", "-k", str(GRACE), str(limit), *command], cwd=ROOT, env=env,
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         _running.update(pid=proc.pid, marker=marker)
+        forced = False
         try:
             code = proc.wait(timeout=limit + GRACE + 10)
         except subprocess.TimeoutExpired:  # timeout itself did not end it
             os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
+            code, forced = proc.wait(), True
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever it left in its group
     except ProcessLookupError:
         pass
-    stragglers = _sweep(marker)
+    stragglers = _sweep(marker, group=proc.pid)
     _running.pop("pid", None)
     seconds = time.monotonic() - start
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_seconds = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
     status = "ok" if code == 0 else (f"killed: the check got {_running['stopped']}" if "stopped" in _running else
+                                     f"killed by the check {limit + GRACE + 10} s after it started (timeout did not "
+                                     "end it)" if forced else
                                      f"killed at its {limit} s limit (SIGTERM)" if code == 124 else
                                      f"killed at its {limit} s limit (SIGKILL: SIGTERM was ignored for {GRACE} s)"
                                      if code in (137, -9) else f"failed (exit {code})")

@@ -11,10 +11,9 @@ import tempfile
 
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.run_dir import (
-    PREEMPTED_MARKER,
-    STOPPED_MARKER,
     SUMMARY_NAME,
     TRAIN,
+    ended_here,
     launched_max_steps,
     record_ending,
     refusal_hint,
@@ -162,25 +161,19 @@ def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:
 
 def end_run_here(cfg: RunConfig, saved: dict, line: str) -> None:
     """END_HERE: record the run as finished at its newest checkpoint (config.json's max_steps, and
-    summary.json and train.log with the reason). The caller holds the run lock."""
+    summary.json and train.log with the reason; trainer/run_dir.py `ended_here`, which the ranks
+    use under SLURM). The caller holds the run lock."""
     import json
 
-    from checkpoint import manifest
-
     step = newest_step(cfg)
-    record = dict(saved, train=dict(saved.get("train", {}), max_steps=step))
-    manifest.write_atomic(os.path.join(cfg.run_dir, "config.json"), json.dumps(record, indent=2))
-    for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # a finished run is neither requeued nor stopped
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(cfg.run_dir, marker))
+    reason = ended_here(cfg.run_dir, saved, step)
     summary = None  # the numbers of the launch that stopped at this step, where its summary is still there
     with contextlib.suppress(OSError, ValueError):
         with open(os.path.join(cfg.run_dir, SUMMARY_NAME), encoding="utf-8") as f:
             before = json.load(f)
         if isinstance(before, dict) and before.get("steps") == step and before.get("checkpoint"):
             summary = dict(before, max_steps=step)
-    record_ending(cfg.run_dir, "finished", f"ended at step {step} by a launch with train.max_steps={step} "
-                  f"(it had been launched with {launched_max_steps(saved)})", 0, summary)
+    record_ending(cfg.run_dir, "finished", reason, 0, summary)
 
 
 def check_resume_data(cfg: RunConfig, saved: dict, where: str) -> None:

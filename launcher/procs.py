@@ -21,7 +21,7 @@ its children, then SIGKILLs them 30 s later, and ends the rest when one rank exi
   the supervisor itself dies (kill -9)           → every rank watches it (`watch_owner`) and exits.
   its parent shell dies                          → it gets SIGHUP (PR_SET_PDEATHSIG), unless SIGHUP
       was ignored when it started (`nohup ./run.sh train &` keeps running).
-  a rank dies                                    → the supervisor names it and SIGKILLs the others.
+  a rank dies or fails                           → the supervisor names it and SIGKILLs the others.
 
 The rank half (`install_rank_handlers`, `watch_owner`) runs in every training process and lives in
 trainer/signals.py; under SLURM (no supervisor; srun signals every task itself) only the signal
@@ -42,8 +42,9 @@ KILL_AFTER = 5.0  # seconds a rank gets to leave after an immediate stop before 
 
 class Supervisor:
     def __init__(self, cmd: list[str], env: dict, cwd: str, grace_seconds: float,
-                 log=lambda msg: print(msg, file=sys.stderr, flush=True)):
+                 log=lambda msg: print(msg, file=sys.stderr, flush=True), run_dir: str | None = None):
         self.cmd, self.env, self.cwd, self.grace, self.log = cmd, env, cwd, grace_seconds, log
+        self.run_dir = run_dir  # where the ranks' heartbeats say why a rank failed (runtime/heartbeat.py)
         self.proc: subprocess.Popen | None = None
         self.deadline: float | None = None
         self.signals: list[int] = []
@@ -182,7 +183,8 @@ class Supervisor:
         self.dead_why = why
         others = sorted(r for _, r, _, _ in dead if r != rank)
         also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed with it)" if others else ""
-        self.log(f"rank {rank} (PID {pid}) died ({why}); stopping the other ranks{also}")
+        how = "died" if code < 0 else "failed"  # killed by a signal, or exited with an error of its own
+        self.log(f"rank {rank} (PID {pid}) {how} ({why}); stopping the other ranks{also}")
         # SIGKILL: a peer's collectives can only fail now, and a rank still importing would print a
         # KeyboardInterrupt traceback for SIGINT (its handler is not installed yet)
         self._signal_ranks(signal.SIGKILL)
@@ -256,9 +258,25 @@ class Supervisor:
             what = {signal.SIGINT: "Ctrl-C", signal.SIGHUP: "the terminal closed"}.get(self.signals[0], "")
             return "stopped", f"{name}{f' ({what})' if what else ''}: every rank stopped at once, without a checkpoint"
         if self.dead_rank:
-            how = f" ({self.dead_why})" if self.dead_code < 0 else ""  # the end line adds the exit code
-            return "failed", f"rank {self.dead_rank[0]} (PID {self.dead_rank[1]}) died{how}"
+            rank, pid = self.dead_rank
+            if self.dead_code < 0:
+                return "failed", f"rank {rank} (PID {pid}) died ({self.dead_why})"
+            said = self._failure_message(rank, pid)  # the end line adds the exit code
+            return "failed", f"rank {rank} (PID {pid}) failed{': ' + said if said else ''}"
         return "failed", "the ranks ended with an error"
+
+    def _failure_message(self, rank: int, pid: int) -> str:
+        """The message rank `rank` (process `pid`) printed as it failed, from its heartbeat
+        (launcher/worker.py marks it `failed: MESSAGE`); "" where it left none."""
+        from runtime import heartbeat
+
+        if self.run_dir is None:
+            return ""
+        record = heartbeat.read_rank(self.run_dir, rank)
+        state = (record or {}).get("state", "")
+        if not record or record.get("pid") != pid or not state.startswith("failed: "):
+            return ""
+        return state.removeprefix("failed: ").removeprefix("error: ").removeprefix(f"rank {rank}: ")
 
     def _reap_group(self) -> None:
         end = time.monotonic() + KILL_AFTER
@@ -308,9 +326,9 @@ def die_with_parent_shell() -> None:
 
 
 def supervise(cmd: list[str], env: dict, cwd: str, grace_seconds: float,
-              announce=lambda: None) -> tuple[int, tuple[str, str] | None]:
+              announce=lambda: None, run_dir: str | None = None) -> tuple[int, tuple[str, str] | None]:
     """Run and supervise the launch: (its exit code, (state, reason) where the ranks could not record
     how it ended: `Supervisor.ending`)."""
-    supervisor = Supervisor(cmd, env, cwd, grace_seconds)
+    supervisor = Supervisor(cmd, env, cwd, grace_seconds, run_dir=run_dir)
     rc = supervisor.run(announce)
     return rc, supervisor.ending(rc)

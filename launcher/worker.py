@@ -30,19 +30,20 @@ from trainer.run_dir import record_stop
 from trainer.trainer import Trainer
 
 
-def record_ending(trainer: Trainer | None, state: str, reason: str, code: int) -> None:
+def record_ending(trainer: Trainer | None, cfg, state: str, reason: str, code: int) -> None:
     """summary.json and train.log's `end |` line (rank 0) for a launch that ends in `state`: where
-    the Trainer got as far as its steps, with its numbers (Trainer.summary)."""
+    the Trainer got as far as its steps, with its numbers (Trainer.summary); before that (a refusal
+    at start, a Trainer that could not be built) with what the config `cfg` says of the launch."""
     if trainer is not None and trainer.started is not None:  # stopped inside run()
         trainer.summary(time.perf_counter() - trainer.started, state, reason, code)
-    elif trainer is not None and torch.distributed.get_rank() == 0:
-        run_dir.record_ending(trainer.cfg.run_dir, state, reason, code)
+    elif torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+        run_dir.record_ending(cfg.run_dir, state, reason, code, known=run_dir.launch_facts(cfg))
 
 
-def record_divergence_stop(trainer: Trainer | None, error: DivergenceStop) -> None:
+def record_divergence_stop(trainer: Trainer | None, cfg, error: DivergenceStop) -> None:
     """What every rank does on a divergence stop before it exits with DIVERGED_EXIT_CODE:
     summary.json (rank 0) with the events and the reason, then the message on rank 0's stderr."""
-    record_ending(trainer, "diverged", str(error), signals.DIVERGED_EXIT_CODE)
+    record_ending(trainer, cfg, "diverged", str(error), signals.DIVERGED_EXIT_CODE)
     if torch.distributed.get_rank() == 0:
         message = f"error: {error}"
         print(message, file=sys.stderr, flush=True)
@@ -118,13 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(cfg)
         trainer.run()
     except DivergenceStop as e:  # every rank stops at the same step (the guard's all-reduce)
-        record_divergence_stop(trainer, e)
+        record_divergence_stop(trainer, cfg, e)
         exit_rank(signals.DIVERGED_EXIT_CODE)
     except NoRoomStop as e:  # every rank, before the same save (make_room's all-reduce)
-        record_ending(trainer, "failed", str(e), signals.NO_ROOM_EXIT_CODE)
+        record_ending(trainer, cfg, "failed", str(e), signals.NO_ROOM_EXIT_CODE)
         if rank == "0":
             print(e, file=sys.stderr, flush=True)
         exit_rank(signals.NO_ROOM_EXIT_CODE)
+    except signals.Refused as e:  # every rank, on the same finding at start; rank 0 printed it
+        record_ending(trainer, cfg, "refused", e.message.removeprefix("error: "), e.code)
+        if rank == "0":  # a SLURM job is not requeued to meet it again
+            record_stop(cfg.run_dir, e.message, e.code)
+        exit_rank(e.code)
     except SystemExit as e:
         if e.code == signals.PREEMPTED_EXIT_CODE:  # every rank checkpointed and met at a barrier
             exit_rank(signals.PREEMPTED_EXIT_CODE)
@@ -132,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr, flush=True)  # what Python prints for sys.exit("error: …")
-            record_ending(trainer, "failed", str(e.code).removeprefix("error: "), 1)
+            heartbeat.mark(f"failed: {str(e.code).splitlines()[0]}")  # the supervisor's record of this rank
+            record_ending(trainer, cfg, "failed", str(e.code).removeprefix("error: "), 1)
         # The same teardown hazard as a clean end (see exit_rank): keep the exit status asked for.
         exit_rank(e.code if isinstance(e.code, int) else int(e.code is not None), clean=False)
     except Exception as e:

@@ -12,7 +12,8 @@ clock and no lock is shared. The files are read only when something failed.
   its network: its beats stop (a stopped process's threads all stop).
 - A rank stuck in a long computation, or inside a collective the others never joined, keeps
   beating; its phase counter says whether it got as far as the others.
-- Ranks that leave say so first (`mark`): `exited N`, `failed` (its own error is printed),
+- Ranks that leave say so first (`mark`): `exited N`, `failed` (its own error is printed; `failed:
+  MESSAGE` when it is one line, which the supervisor of `./run.sh train` records),
   `lost contact` (a survivor that is stopping), so that nobody names them as the lost one.
 
 `diagnose` (in a survivor, after a collective failed) reads every rank twice, `DIAGNOSE_WAIT`
@@ -167,20 +168,24 @@ def mark(state: str) -> None:
 
 # ---- reading the beats -------------------------------------------------------------------------
 
+def read_rank(run_dir: str, rank: int) -> dict | None:
+    """Rank `rank`'s newest record, of whichever launch (None: no file)."""
+    for _ in range(3):  # a reader may catch a file between its write and its rename: retry
+        try:
+            with open(rank_path(run_dir, rank), encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    return None
+
+
 def read(run_dir: str, world: int, launch: str) -> dict[int, dict | None]:
     """Every rank's newest record of `launch` (None: no file, or one of another launch)."""
     out: dict[int, dict | None] = {}
     for rank in range(world):
-        record = None
-        for _ in range(3):  # a reader may catch a file between its write and its rename: retry
-            try:
-                with open(rank_path(run_dir, rank), encoding="utf-8") as f:
-                    record = json.load(f)
-                break
-            except FileNotFoundError:
-                break
-            except (OSError, ValueError):
-                time.sleep(0.05)
+        record = read_rank(run_dir, rank)
         out[rank] = record if record and record.get("launch") == launch else None
     return out
 

@@ -94,3 +94,39 @@ def no_launch(monkeypatch):
 
         raise RankLaunched(f"ranks were about to be launched: {args}")
     monkeypatch.setattr(train_command, "deepspeed_command", refuse)
+
+
+SLURM_SCRIPTS = os.path.join(ROOT, "tests", "slurm")
+
+
+def _slurm_unavailable() -> str | None:
+    """Why a SLURM cluster cannot be run here, or None after making sure it is installed."""
+    if os.geteuid() != 0:
+        return "needs root to install and run slurmctld/slurmd/munge"
+    if not os.path.exists("/etc/debian_version"):
+        return "needs Debian's slurmctld/slurmd/munge packages (not a Debian system)"
+    proc = subprocess.run(["bash", os.path.join(SLURM_SCRIPTS, "install.sh")], capture_output=True,
+                          text=True, timeout=900)
+    if proc.returncode != 0:
+        return proc.stderr.strip() or "tests/slurm/install.sh failed"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real SLURM cluster of fake nodes on this machine (tests/slurm/start.sh), one per session
+    (its start takes minutes): the environment that reaches it (SLURM_CONF)."""
+    reason = _slurm_unavailable()
+    if reason:
+        # pytest -q hides skip reasons; this one should be seen.
+        print(f"\nthe SLURM tests are skipped: {reason}", file=sys.__stderr__, flush=True)
+        pytest.skip(reason)
+    state = str(tmp_path_factory.mktemp("slurm"))
+    env = dict(os.environ, SLURM_CONF=os.path.join(state, "slurm.conf"))
+    try:
+        proc = subprocess.run(["bash", os.path.join(SLURM_SCRIPTS, "start.sh"), state], capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"the SLURM cluster did not start:\n{proc.stderr}"
+        yield env
+    finally:
+        subprocess.run(["bash", os.path.join(SLURM_SCRIPTS, "stop.sh"), state], timeout=120)

@@ -78,7 +78,9 @@ def test_a_survivor_names_the_hung_rank_and_its_node(tmp_path, mode, words):
         report = json.load(f)
     assert (report["kind"], report["ranks"], report["nodes"], report["step"]) == (
         "unresponsive" if mode == "stop" else "stuck", [1], ["node2"], 3)
-    assert elapsed < 4 + 5 + 30  # the timeout, the heartbeat watch, start-up on a busy machine
+    # not before the collective timed out (4 s), whatever the machine; the subprocess' timeout
+    # only keeps a hang from lasting
+    assert elapsed >= 4
 
 
 def test_faults_counts_an_attempt_slurm_ended_and_stops_when_the_same_step_fails_again(tmp_path):

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import time
 
 import pytest
 
@@ -207,11 +206,9 @@ def test_a_short_run_shows_its_progress_keeps_train_log_and_is_recognised_when_f
     assert shown.returncode == 0 and "valid/loss" in shown.stdout and "train/loss" in shown.stdout, shown.stderr
 
     # finished: said in one line, before any rank starts
-    start = time.monotonic()
     again = train()
     assert "is finished: its newest checkpoint is step 4, and it was launched with train.max_steps=4" in again.stdout
-    assert "launching" not in again.stdout and "--set train.max_steps=8" in again.stdout
-    assert time.monotonic() - start < 30
+    assert "launching" not in again.stdout and "--set train.max_steps=8" in again.stdout  # no rank started
 
     # --set continues it: the ranks train the resolved config and config.json records it
     out = train("--set", "train.max_steps=6", "--eval-sentences", "0").stdout

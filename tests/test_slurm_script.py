@@ -136,3 +136,30 @@ def test_preemption_signal_to_one_rank_stops_every_rank(tmp_path):
 
 
 # ---- the real cluster --------------------------------------------------------------------------
+
+
+def test_a_stopped_runs_relaunch_is_decided_before_the_job_is_written(tmp_path, capsys):
+    """A run stopped at step 47 of the 60 it was launched with: `./run.sh slurm` asking for 40 is
+    refused before anything is written, with `./run.sh train`'s line (exit 2); asking for 47 writes
+    the job and notes that it ends the run there (its ranks record it finished)."""
+    from checkpoint import manifest
+    from trainer.config import to_dict
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step47").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step47" / "weights.pt").write_bytes(b"w" * 64)
+    manifest.commit(str(run_dir / "checkpoints"), "step47", 47)
+    saved = to_dict(load_config(CONFIG, {"run_dir": str(run_dir)}))
+    saved["train"]["max_steps"] = 60
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    flags = (CONFIG, "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1")
+    code, _, script = generate(tmp_path, *flags, "--set", "train.max_steps=40")
+    assert code == 2 and script == "" and not (run_dir / "slurm").exists()
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} is not finished: it stopped at step 47 of the train.max_steps=60 it was last launched with "
+        "(its config.json), and this launch's train.max_steps=40 is below step 47. To continue it: --set "
+        "train.max_steps=60 (or more); to end it at step 47: --set train.max_steps=47\n")
+    code, _, script = generate(tmp_path, *flags, "--set", "train.max_steps=47")
+    assert code == 0 and "launcher.worker" in script
+    assert (f"note: {run_dir} stopped at step 47 of the train.max_steps=60 it was launched with; this launch's "
+            "train.max_steps=47 ends it there (recorded as finished)\n") in capsys.readouterr().err

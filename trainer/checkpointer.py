@@ -31,7 +31,7 @@ from runtime import rng, safe_load
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.progress import append_log, log0, note0
 from trainer.run_dir import record_stop, refusal_hint, resume_differences, saved_run_config, setting_changes
-from trainer.signals import NO_ROOM_EXIT_CODE
+from trainer.signals import NO_ROOM_EXIT_CODE, refuse_together
 
 
 class Checkpointer:
@@ -135,13 +135,10 @@ class Checkpointer:
         with open(os.path.join(self.ckpt_dir, UNIVERSAL_LATEST), errors="replace") as f:
             return f.read().strip()
 
-    def stop_together(self, message: str, code: int = 1) -> None:
-        """All ranks stop with exit `code` on the same finding: rank 0 prints `message` before any
-        rank exits (the launcher ends the others as soon as one exits); raises SystemExit."""
-        if self.layout.rank == 0:
-            print(message, file=sys.stderr, flush=True)
-        torch.distributed.barrier()
-        raise SystemExit(code)
+    def stop_together(self, message: str) -> None:
+        """All ranks refuse the launch on the same finding (trainer/signals.py `refuse_together`):
+        rank 0 prints `message` before any rank exits; raises Refused (exit 2, recorded as refused)."""
+        refuse_together(message)
 
     def record_launch(self, max_steps: int) -> None:
         """config.json: this launch's config (train.max_steps as this launch trains to), written by
@@ -268,8 +265,8 @@ class Checkpointer:
         # layout may not (the same rule as ./run.sh's check before launching).
         diffs = resume_differences(saved, to_dict(self.cfg))
         if diffs:
-            raise SystemExit(f"error: {self.ckpt_dir} was trained with another model or layout "
-                             f"({'; '.join(diffs)}); {refusal_hint(diffs, self.cfg.run_dir)}")
+            self.stop_together(f"error: {self.ckpt_dir} was trained with another model or layout "
+                               f"({'; '.join(diffs)}); {refusal_hint(diffs, self.cfg.run_dir)}")
 
     def save(self, step: int, client: dict) -> str:
         """Every rank writes its files, then the manifest commits them (checkpoint/manifest.py): only

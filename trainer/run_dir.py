@@ -207,23 +207,57 @@ def relaunch(run_dir: str, step: int | None, max_steps: int, launched: int | Non
 
 # ---- endings -----------------------------------------------------------------------------------
 SUMMARY_NAME = "summary.json"
+STATES = ("finished", "preempted", "stopped", "diverged", "failed", "refused")
+"""summary.json's `state`: reached max_steps (or ended where it stopped); checkpointed on SIGTERM or
+SIGUSR1, to be resumed; stopped on a signal without a checkpoint; a divergence stop; failed (a rank
+failed or died, no room for a checkpoint); refused by the ranks at start (no intact checkpoint, an
+unusable train.init_from, a model or layout the run was not trained with, a max_steps below the step)."""
+SUMMARY_KEYS = ("state", "reason", "exit_code", "steps", "max_steps", "checkpoint", "log", "first_valid_loss",
+                "last_valid_loss", "mean_target_tokens_per_s", "wall_seconds_this_launch", "divergence_events",
+                "divergence", "layout", "init_from")
+"""The keys of every summary.json, whatever the ending; null where that ending does not know the value
+(the trainer's numbers when the ranks were stopped at once, failed or refused before their steps)."""
 
 
-def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dict | None = None) -> dict:
-    """summary.json for an ending of a launch: `state` (finished | stopped | diverged | failed), its
-    `reason` and the exit code, over `summary` (the trainer's numbers, where it could write them)
-    or, for an ending the ranks could not record themselves (a signal that ends them at once, a
-    failed rank), the newest committed checkpoint; and one `end | …` line in train.log. Best
-    effort: the disk may be full. Returns what was written."""
+def launch_facts(cfg) -> dict:
+    """What summary.json says of a launch from its config alone (a RunConfig): max_steps and layout."""
+    p = cfg.parallel
+    return {"max_steps": cfg.train.max_steps, "layout": {"pipeline_stages": p.pipeline_stages,
+                                                         "tensor_parallel": p.tensor_parallel,
+                                                         "data_parallel": p.data_parallel}}
+
+
+def _recorded_facts(run_dir: str) -> dict:
+    """launch_facts from config.json (the last launch that trained), for a caller without the config."""
+    try:
+        with open(os.path.join(run_dir, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        p = saved["parallel"]
+        return {"max_steps": launched_max_steps(saved),
+                "layout": {key: p[key] for key in ("pipeline_stages", "tensor_parallel", "data_parallel")}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dict | None = None,
+                  known: dict | None = None) -> dict:
+    """summary.json for an ending of a launch: `state` (one of STATES), its `reason` and the exit
+    code, over `summary` (the trainer's numbers, where it could write them) or, for an ending the
+    ranks could not record with their numbers (a signal that ends them at once, a failed rank, a
+    refusal at start), the newest committed checkpoint and what the caller `known`s of the launch
+    (launch_facts; else config.json's); every key of SUMMARY_KEYS, null where not known. And one
+    `end | …` line in train.log. Best effort: the disk may be full. Returns what was written."""
     from checkpoint import manifest
     from trainer.progress import append_log
 
-    record = dict(summary or {})
+    record = dict.fromkeys(SUMMARY_KEYS)
     if summary is None:
         ckpt_dir = os.path.join(run_dir, "checkpoints")
         newest = manifest.newest_committed(ckpt_dir)
         record.update(steps=int(newest[len("step"):]) if newest else 0,
                       checkpoint=os.path.join("checkpoints", newest) if newest else None, log="train.log")
+        record.update(known or _recorded_facts(run_dir))
+    record.update(summary or {})
     record.update(state=state, reason=reason, exit_code=code)
     try:
         manifest.write_atomic(os.path.join(run_dir, SUMMARY_NAME), json.dumps(record, indent=2) + "\n")
@@ -232,3 +266,21 @@ def record_ending(run_dir: str, state: str, reason: str, code: int, summary: dic
     kept = f"; newest checkpoint {record['checkpoint']}" if record.get("checkpoint") else "; no checkpoint yet"
     append_log(run_dir, f"end | {state}: {reason} (exit code {code}){kept}")
     return record
+
+
+def ended_here(run_dir: str, saved: dict, step: int) -> str:
+    """A stopped run ended at its newest checkpoint `step` by a launch asking for exactly that
+    (END_HERE): config.json records max_steps = step, so that a later launch finds it finished, and
+    the markers of the stop are removed (a finished run is neither requeued nor stopped). The
+    caller holds the run lock (rank 0 does, under SLURM). Returns the reason summary.json gives."""
+    import contextlib
+
+    from checkpoint import manifest
+
+    record = dict(saved, train=dict(saved.get("train", {}), max_steps=step))
+    manifest.write_atomic(os.path.join(run_dir, "config.json"), json.dumps(record, indent=2))
+    for marker in (PREEMPTED_MARKER, STOPPED_MARKER):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(run_dir, marker))
+    return f"ended at step {step} by a launch with train.max_steps={step} (it had been launched with " \
+           f"{launched_max_steps(saved)})"

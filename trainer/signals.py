@@ -20,11 +20,14 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL of sysexits.h: checkpointed on request, to be resumed
 DIVERGED_EXIT_CODE = 3  # every rank stopped at the same diverged step (trainer/guard.py), not a crash
 NO_ROOM_EXIT_CODE = 4  # every rank stopped before a checkpoint the filesystem has no room for (checkpointer.py)
-AGREED_ENDS = (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE, NO_ROOM_EXIT_CODE)  # all ranks end alike
+REFUSED_EXIT_CODE = 2  # every rank refused the launch at start on the same finding (`refuse_together`), as
+#                        ./run.sh refuses a config or relaunch before any rank starts (also 2)
+AGREED_ENDS = (0, PREEMPTED_EXIT_CODE, DIVERGED_EXIT_CODE, NO_ROOM_EXIT_CODE, REFUSED_EXIT_CODE)  # all ranks end alike
 OWNER_ENV = "DEEPNET_OWNER_PID"
 PR_SET_PDEATHSIG = 1
 
@@ -36,6 +39,26 @@ def prctl_pdeathsig(sig: int) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+class Refused(SystemExit):
+    """Every rank refuses this launch on the same finding (`refuse_together`): exit REFUSED_EXIT_CODE;
+    `message` is the one line rank 0 printed (launcher/worker.py records it as summary.json's reason)."""
+
+    def __init__(self, message: str):
+        super().__init__(REFUSED_EXIT_CODE)
+        self.message = message
+
+
+def refuse_together(message: str) -> NoReturn:
+    """Called by every rank alike: rank 0 prints `message` before any rank exits (the deepspeed
+    launcher ends the others as soon as one exits), then every rank raises Refused."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    dist.barrier()
+    raise Refused(message)
+
 
 class StopRequest:
     """What signals asked of this rank; read by the training loop at step boundaries."""

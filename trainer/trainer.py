@@ -32,12 +32,13 @@ from trainer.guard import DivergenceGuard, DivergenceStop
 from trainer.progress import LOG_NAME, Progress, append_log, log0, note0
 from trainer.run_dir import (
     BELOW,
+    END_HERE,
     PREEMPTED_MARKER,
     STOPPED_MARKER,
     TRAIN,
+    ended_here,
     launched_max_steps,
     record_ending,
-    record_stop,
     relaunch,
 )
 from trainer.timeline import trainer_timeline
@@ -96,8 +97,8 @@ class Trainer:
         heartbeat.start(cfg.run_dir)  # names a lost or hung rank when a collective fails (launcher/worker.py)
         try:
             self.layout = Layout.build(cfg.parallel)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+        except ValueError as e:  # every rank alike
+            signals.refuse_together(f"error: {e}")
         self.cfg = cfg
         self.max_steps = max_steps or cfg.train.max_steps
         self.data_dir = os.path.join(cfg.run_dir, "data")
@@ -144,16 +145,19 @@ class Trainer:
             note0(cfg.run_dir, f"started from {s.path} (step {s.step}; train.init_from={s.given}): its weights only; "
                   "the optimizer, learning-rate schedule, step and data position start fresh")
         # What this launch does with the run (trainer/run_dir.py `relaunch`; ./run.sh train decides
-        # the same before any rank starts): train, nothing (finished), or refuse a max_steps below
-        # a stopped run's step. A launch that trains records itself in config.json first.
+        # the same before any rank starts): train, nothing (finished), end a stopped run where it
+        # is, or refuse a max_steps below a stopped run's step. A launch that trains records itself
+        # in config.json first; one that ends the run there records that (as ./run.sh train does).
         self.verdict, self.verdict_line = relaunch(cfg.run_dir, self.step if resumed else None, self.max_steps,
                                                    launched_max_steps(self.checkpoints.saved))
-        if self.verdict == BELOW:  # a SLURM job (stopped.json) is not requeued to meet it again
-            if self.layout.rank == 0:
-                record_stop(cfg.run_dir, f"error: {self.verdict_line}", 2)
-            self.checkpoints.stop_together(f"error: {self.verdict_line}", code=2)
+        self.ending_reason = (f"reached train.max_steps={self.max_steps}" if self.verdict == TRAIN
+                              else self.verdict_line)
+        if self.verdict == BELOW:  # refused; a SLURM job (stopped.json) is not requeued to meet it again
+            self.checkpoints.stop_together(f"error: {self.verdict_line}")
         if self.verdict == TRAIN:
             self.checkpoints.record_launch(self.max_steps)
+        if self.verdict == END_HERE and self.layout.rank == 0:
+            self.ending_reason = ended_here(cfg.run_dir, self.checkpoints.saved, self.step)
         if self.layout.rank == 0:
             metrics.rewind(self.engine, self.step)
             for marker in (PREEMPTED_MARKER, STOPPED_MARKER):  # an earlier launch's preemption or stop, now resumed
@@ -314,9 +318,7 @@ class Trainer:
                     self.stop_preempted(already_saved=saved)
         finally:
             progress.close()
-        wall = time.perf_counter() - t0
-        reason = (f"reached train.max_steps={self.max_steps}" if self.verdict == TRAIN else self.verdict_line)
-        return self.summary(wall, "finished", reason, 0)
+        return self.summary(time.perf_counter() - t0, "finished", self.ending_reason, 0)
 
     # ---- divergence (trainer/guard.py) -------------------------------------------------------
     def on_divergence(self, event: dict) -> bool:
@@ -372,14 +374,14 @@ class Trainer:
                            "time": time.time()}, f, indent=2)
         log0(f"step {self.step} | preempted by {name}: saved checkpoint {path}; "
              f"exiting with code {signals.PREEMPTED_EXIT_CODE} to be resumed (a SLURM job requeues itself)")
-        self.summary(time.perf_counter() - (self.started or time.perf_counter()), "stopped",
+        self.summary(time.perf_counter() - (self.started or time.perf_counter()), "preempted",
                      f"{name}: checkpointed at step {self.step}, to be resumed", signals.PREEMPTED_EXIT_CODE, show=False)
         torch.distributed.barrier()
         signals.stop.saved = True
         raise SystemExit(signals.PREEMPTED_EXIT_CODE)
 
     def summary(self, wall: float, state: str, reason: str, code: int, show: bool = True) -> dict:
-        """How this launch ended (`state`: finished | stopped | diverged | failed, `reason`, the exit
+        """How this launch ended (`state`: trainer/run_dir.py STATES, `reason`, the exit
         `code`) with the run's numbers: run_dir/summary.json and an `end |` line in train.log
         (trainer/run_dir.py `record_ending`, rank 0), and (`show`) printed with train.log's
         `summary |` lines; a preempted launch's is not: it is to be resumed. Paths in the file are relative

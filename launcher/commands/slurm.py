@@ -11,10 +11,12 @@ import sys
 
 from data.errors import DataError
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
-from launcher.preflight import check_checkpoint_files, check_init_from, check_resume, check_run_dir, check_trace_steps
+from launcher.preflight import (check_checkpoint_files, check_init_from, check_resume, check_run_dir, check_trace_steps,
+                                newest_step)
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
 from schema.text import count
 from trainer.config import ConfigError, RunConfig, load_config, parse_set
+from trainer.run_dir import BELOW, TRAIN, launched_max_steps, relaunch
 
 HELP = "write an sbatch script for multi-node training into the run directory (--submit submits it)"
 
@@ -213,7 +215,11 @@ def run(args: argparse.Namespace) -> int:
     # on them fails here rather than after it was queued. (The device is the compute nodes': the
     # job's ranks check it.)
     check_run_dir(cfg, args.config)
-    check_resume(cfg, args.config)
+    saved = check_resume(cfg, args.config)
+    # What the job will do with the run directory (its ranks decide again when it starts)
+    verdict, line = relaunch(shown_path(cfg.run_dir), newest_step(cfg), cfg.train.max_steps, launched_max_steps(saved))
+    if verdict == BELOW:
+        raise ConfigError(line)
     check_trace_steps(cfg, args.config)
     check_checkpoint_files(cfg, args.config)  # the job's ranks check again before they load
     if not args.dry_run:  # the source of a fine-tuning job (a dry run may precede it)
@@ -227,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         missing = str(e)
     if said:  # every check passed; nothing is written yet
         print(said, file=sys.stderr)
+    if verdict != TRAIN:  # finished (the job trains nothing), or ended where it stopped
+        print(f"note: {line}", file=sys.stderr)
     if missing:
         print(f"note: --dry-run: {missing}; the script is written without it, and its data step needs it",
               file=sys.stderr)

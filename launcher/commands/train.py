@@ -29,7 +29,7 @@ from launcher.runlock import RunDirBusy, RunLock
 from runtime import accelerator
 from schema.text import count
 from trainer.config import ConfigError, config_name, load_config, read_yaml, to_dict
-from trainer.run_dir import BELOW, END_HERE, FINISHED, SUMMARY_NAME, record_ending
+from trainer.run_dir import BELOW, END_HERE, FINISHED, SUMMARY_NAME, launch_facts, record_ending
 from trainer.signals import PREEMPTED_EXIT_CODE
 
 HELP = "prepare data and train a model on this node (an existing run directory is resumed)"
@@ -190,10 +190,12 @@ def _launch(cmd: list[str], env: dict, cfg, layout: str, world: int, gpus: int, 
 
     env["DEEPNET_RUN_LOCK_HELD"] = "1"  # the ranks need not take the run lock themselves
     started = time.time()
-    rc, ending = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds, announce)
-    if ending is not None and not _recorded_since(cfg.run_dir, started):
+    rc, ending = supervise(cmd, env, ROOT, cfg.train.stop_grace_seconds, announce, run_dir=cfg.run_dir)
+    if (ending is not None or rc != 0) and not _recorded_since(cfg.run_dir, started):
         # summary.json and train.log say how it ended, as the ranks do for the ends they reach
-        record_ending(cfg.run_dir, *ending, rc)
+        # (an end they agree on is theirs to record: should none have, it is said here too)
+        state, reason = ending or ("failed", "the ranks ended without recording how")
+        record_ending(cfg.run_dir, state, reason, rc, known=launch_facts(cfg))
     if rc == PREEMPTED_EXIT_CODE:
         print("training was stopped after saving a checkpoint; run the same command to resume", flush=True)
     elif rc in (129, 130, 143):

@@ -170,7 +170,7 @@ def divergence_run(cfg, policy: str, at: int, factor: float, max_steps: int) -> 
         out["stopped"] = None
     except DivergenceStop as e:
         out["stopped"] = str(e)
-        worker.record_divergence_stop(t, e)  # as launcher/worker.py's main does before exiting 3
+        worker.record_divergence_stop(t, t.cfg, e)  # as launcher/worker.py's main does before exiting 3
         if is0():
             with open(os.path.join(cfg.run_dir, "summary.json")) as f:
                 out["summary"] = json.load(f)
