@@ -340,8 +340,8 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
         count += 1
     missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
     if missing:
-        raise ValueError(f"parallel.schedule=zb-h1 cannot split the backward of {missing[:5]} "
-                         f"({len(missing)} parameters); use parallel.schedule: 1f1b")
+        raise ValueError(f"a schedule with weight passes (parallel.schedule) cannot split the backward of "
+                         f"{missing[:5]} ({len(missing)} parameters); use one whose order has none")
     return count
 
 

@@ -1,12 +1,23 @@
-"""Per-stage compute orders of 1F1B and ZB-H1 (parallel/schedules.py names them) and their timelines (no DeepSpeed import: the
-planner uses them too). Ops are ('F' | 'B' | 'W' | 'BW', micro-batch): forward, input gradient,
-weight gradients, and 1F1B's unsplit backward."""
+"""The pipeline schedules' per-stage compute orders (parallel/schedules.py names them), what an
+order holds and the timeline simulator that runs any of them (no DeepSpeed import: the planner and
+the benchmarks use them too; parallel/pipe_schedule.py turns orders into DeepSpeed instructions).
+
+An order is one stage's list of ops ('F' | 'B' | 'W' | 'BW', micro-batch): forward, input gradient,
+weight gradients, and an unsplit backward (B and W in one). A valid set of orders (`check_orders`)
+runs each micro-batch's F once per stage, in micro-batch order (the first stage loads and the last
+stage reads labels in that order), and either its BW or its B and then its W; `simulate` runs it
+(or says it deadlocks). The name is historical: the module began with ZB-H1's timeline.
+"""
 from __future__ import annotations
 
 from collections import deque
 from typing import Callable
 
-Order = Callable[[int, int, int], list[tuple[str, int]]]
+Op = tuple[str, int]
+Order = Callable[[int, int, int], list[Op]]
+"""(stages, micro-batches, stage) → that stage's ops."""
+Candidate = tuple[list[list[Op]], float]
+"""Every stage's order and the share of its W the first stage defers (the rest runs inside its B)."""
 
 
 def zb_h1_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None) -> list[tuple[str, int]]:
@@ -104,9 +115,10 @@ def schedule_candidates(stages: int, micro_batches: int,
 def with_first_stage_share(cost: dict[str, float] | list[dict[str, float]] | None, stages: int,
                            share: float) -> list[dict[str, float]]:
     """Per-stage costs when the first stage defers only `share` of its W (the rest runs in B)."""
-    costs = [{k: c[k] for k in ("F", "B", "W")} for c in _stage_costs(stages, cost)]
-    first = costs[0]
-    costs[0] = {"F": first["F"], "B": first["B"] + (1.0 - share) * first["W"], "W": share * first["W"]}
+    costs = per_stage_costs(stages, cost)  # with BW, an unsplit backward's cost
+    if share != 1.0:
+        first = costs[0]
+        costs[0] = {**first, "B": first["B"] + (1.0 - share) * first["W"], "W": share * first["W"]}
     return costs
 
 
@@ -126,12 +138,24 @@ def tuned_schedule_span(stages: int, micro_batches: int, cost: dict[str, float] 
                         max_pending: int | None = None,
                         tolerance: float = 0.005) -> tuple[list[list[tuple[str, int]]], float, float]:
     """tuned_schedule's (orders, share) and the makespan of that choice."""
-    p, m = stages, micro_batches
-    candidates = schedule_candidates(p, m, max_pending)
-    spans = [max(ops[-1][1] for ops in simulate(p, m, with_first_stage_share(cost, p, share), fixed(orders)))
-             for orders, share in candidates]
+    return choose(schedule_candidates(stages, micro_batches, max_pending), micro_batches, cost, tolerance)
+
+
+def choose(candidates: list[Candidate], micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
+           tolerance: float = 0.005) -> tuple[list[list[Op]], float, float]:
+    """(orders, first-stage share, makespan) of the first candidate (candidates come by the memory
+    they hold, least first) that finishes within `tolerance` of the soonest at `cost`."""
+    if len(candidates) == 1:
+        orders, share = candidates[0]
+        return orders, share, span_of(orders, micro_batches, with_first_stage_share(cost, len(orders), share))
+    spans = [span_of(orders, micro_batches, with_first_stage_share(cost, len(orders), share)) for orders, share in candidates]
     best = min(spans)
     return next((*choice, span) for choice, span in zip(candidates, spans) if span <= best * (1.0 + tolerance))
+
+
+def span_of(orders: list[list[Op]], micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None) -> float:
+    """Makespan of these orders at `cost` (unit costs by default)."""
+    return max(ops[-1][1] for ops in simulate(len(orders), micro_batches, cost, fixed(orders)))
 
 
 def tuned_orders(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
@@ -153,12 +177,72 @@ def pending_peak(order: list[tuple[str, int]]) -> int:
     return peak
 
 
+def held_states(order: list[Op]) -> list[tuple[int, int]]:
+    """What a stage holds, as (micro-batches between F and B, micro-batches between B and W), after
+    each F and when each B starts (the micro-batch in B still counts as between F and B: its B
+    turns its activations into its W tensors): the moments where memory can peak. An unsplit
+    backward (BW) frees its micro-batch at once. Only the states no other exceeds in both."""
+    acts = pending = 0
+    states = set()
+    for kind, _ in order:
+        if kind == "F":
+            acts += 1
+            states.add((acts, pending))
+        elif kind == "B":
+            states.add((acts, pending))
+            acts, pending = acts - 1, pending + 1
+        elif kind == "BW":
+            states.add((acts, pending))
+            acts -= 1
+        else:
+            pending -= 1
+    frontier, most_pending = [], -1
+    for acts_, pending_ in sorted(states, key=lambda x: (-x[0], -x[1])):
+        if pending_ > most_pending:
+            frontier.append((acts_, pending_))
+            most_pending = pending_
+    return sorted(frontier)
+
+
+def activation_peak(order: list[Op]) -> int:
+    """Most micro-batches a stage holds between F and B (1F1B: min(p − s, m); GPipe: m)."""
+    return max((a for a, _ in held_states(order)), default=0)
+
+
+def forwards_first(order: list[Op]) -> bool:
+    """Whether every forward of the stage precedes its first backward (then no gradient exists yet
+    while activations grow)."""
+    kinds = [kind for kind, _ in order]
+    return "F" not in kinds[next((i for i, k in enumerate(kinds) if k in ("B", "BW")), len(kinds)):]
+
+
+def check_orders(orders: list[list[Op]], micro_batches: int) -> None:
+    """Raise ValueError (one line naming the stage) unless every stage runs F of micro-batches
+    0, 1, ..., m − 1 in that order and, for each, either BW or B and then W, each once after its F;
+    then `simulate` says whether the orders deadlock."""
+    m = micro_batches
+    for s, order in enumerate(orders):
+        forwards = [j for kind, j in order if kind == "F"]
+        if forwards != list(range(m)):
+            raise ValueError(f"stage {s}: forwards must run micro-batches 0..{m - 1} once each, in order; got {forwards}")
+        seen: dict[int, str] = {}
+        for kind, j in order:
+            done = seen.get(j, "")
+            if kind not in ("F", "B", "W", "BW") or (kind == "F") != (done == "") or (kind == "W") != (done == "FB") \
+                    or (kind in ("B", "BW") and done != "F"):
+                raise ValueError(f"stage {s}: {kind}{j} out of place (after {done or 'nothing'} of micro-batch {j}); "
+                                 "each micro-batch runs F, then BW or B then W, once")
+            seen[j] = done + ("B" if kind == "B" else "BW" if kind == "BW" else kind)
+        if len(seen) != m or any(v != "FBW" for v in seen.values()):
+            raise ValueError(f"stage {s}: every micro-batch needs its F and its backward (BW, or B and W)")
+
+
 def fixed(orders: list[list[tuple[str, int]]]) -> Order:
     """The `Order` that returns these per-stage orders."""
     return lambda _stages, _micro_batches, stage: list(orders[stage])
 
 
-def _stage_costs(p: int, cost: dict[str, float] | list[dict[str, float]] | None) -> list[dict[str, float]]:
+def per_stage_costs(p: int, cost: dict[str, float] | list[dict[str, float]] | None) -> list[dict[str, float]]:
     """One cost dict per stage with F, B, W (unit by default) and BW = B + W unless given."""
     costs = []
     for c in (cost if isinstance(cost, list) else [cost] * p):
@@ -168,46 +252,49 @@ def _stage_costs(p: int, cost: dict[str, float] | list[dict[str, float]] | None)
     return costs
 
 
-def _dependency(kind: str, s: int, j: int, p: int) -> tuple[str, int, int] | None:
-    """The op whose end an op of stage s on micro-batch j waits for (None: the first forward)."""
-    if kind == "F":
-        return ("F", s - 1, j) if s > 0 else None
-    if kind in ("B", "BW"):
-        return ("B", s + 1, j) if s < p - 1 else ("F", s, j)
-    return ("B", s, j)
-
-
 def simulate(stages: int, micro_batches: int, cost: dict[str, float] | list[dict[str, float]] | None = None,
              order: Order = zb_h1_order) -> list[list[tuple[float, float, str, int]]]:
     """Start and end of every op of every stage when an op starts as soon as its stage is free
-    and its input has arrived (transfers free): per stage [(start, end, kind, micro-batch)].
-    `cost` gives F, B, W (BW defaults to B + W), for all stages or one dict per stage; unit
-    costs by default. O(p·m)."""
-    p = stages
-    costs = _stage_costs(p, cost)
-    orders = [order(p, micro_batches, s) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}
-    waiting: dict[tuple[str, int, int], int] = {}
+    and its input has arrived (transfers free): per stage [(start, end, kind, micro-batch)]. An F
+    waits for the previous stage's F, a B or BW for the next stage's B or BW (the last stage's for
+    its own F), a W for its own B. `cost` gives F, B, W (BW defaults to B + W), for all stages or
+    one dict per stage; unit costs by default. O(p·m); the planner runs it for every layout."""
+    p, m = stages, micro_batches
+    costs = per_stage_costs(p, cost)
+    orders = [order(p, m, s) for s in range(p)]
+    forward_end: list[list[float | None]] = [[None] * m for _ in range(p)]
+    backward_end: list[list[float | None]] = [[None] * m for _ in range(p)]
+    waiting: dict[tuple[int, int, int], int] = {}  # (0 forward | 1 backward, stage, j) → the stage waiting for it
     position, free = [0] * p, [0.0] * p
     timeline: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
     ready = deque(range(p))
     while ready:
         s = ready.popleft()
-        while position[s] < len(orders[s]):
-            kind, j = orders[s][position[s]]
-            dep = _dependency(kind, s, j, p)
-            if dep is not None and dep not in done:
-                waiting[dep] = s
-                break
-            start = max(free[s], done[dep] if dep else 0.0)
-            end = start + costs[s][kind]
-            key = ("B" if kind == "BW" else kind, s, j)
-            done[key] = end
-            free[s] = end
-            timeline[s].append((start, end, kind, j))
-            position[s] += 1
-            if key in waiting:
-                ready.append(waiting.pop(key))
+        ops, pos, t, c, line = orders[s], position[s], free[s], costs[s], timeline[s]
+        while pos < len(ops):
+            kind, j = ops[pos]
+            if kind == "F":
+                need = (0, s - 1, j) if s > 0 else None
+            elif kind == "W":
+                need = (1, s, j)
+            else:
+                need = (1, s + 1, j) if s < p - 1 else (0, s, j)
+            if need is not None:
+                ready_at = (forward_end if need[0] == 0 else backward_end)[need[1]][j]
+                if ready_at is None:
+                    waiting[need] = s
+                    break
+                t = max(t, ready_at)
+            end = t + c[kind]
+            line.append((t, end, kind, j))
+            t = end
+            pos += 1
+            if kind != "W":
+                done = (0 if kind == "F" else 1, s, j)
+                (forward_end if kind == "F" else backward_end)[s][j] = end
+                if done in waiting:
+                    ready.append(waiting.pop(done))
+        position[s], free[s] = pos, t
     if any(position[s] < len(orders[s]) for s in range(p)):
         raise RuntimeError(f"pipeline order deadlocks at pp={p}, m={micro_batches}")
     return timeline
