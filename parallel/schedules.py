@@ -12,8 +12,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from parallel.zb_timeline import (Candidate, Op, Order, choose, one_f_one_b_order, schedule_candidates, simulate,
-                                  zb_h1_order)
+from parallel.zb_timeline import (Candidate, Op, Order, choose, gpipe_order, one_f_one_b_order, schedule_candidates,
+                                  simulate, zb_h1_order)
 
 Candidates = Callable[[int, int, "int | None"], list[Candidate]]
 """(stages, micro-batches, bound on pending W) → the orders the engine may choose from, least memory first."""
@@ -69,6 +69,8 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("zb-h1", "ZB-H1", "zero-bubble ZB-H1 (Qi et al. 2024): each backward split into the input gradient, run at "
              "once, and the weight gradients, run later in the pipeline's idle time; 1F1B's activation memory",
              zb_h1_order, candidates=schedule_candidates, pending_bounds=(0, None)),
+    Schedule("gpipe", "GPipe", "every forward, then every backward (Huang et al. 2019), the pipeline papers' baseline: "
+             "all m micro-batches in flight on every stage, 1F1B's bubble", gpipe_order),
 )}
 """Every schedule `parallel.schedule` may name."""
 

@@ -63,6 +63,13 @@ def one_f_one_b_order(stages: int, micro_batches: int, stage: int) -> list[tuple
     return order
 
 
+def gpipe_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """GPipe (Huang et al. 2019): every forward, then every (unsplit) backward, in micro-batch order.
+    Every stage holds all m micro-batches' activations at once; its bubble is 1F1B's, (p − 1)
+    slots of m + p − 1."""
+    return [("F", j) for j in range(micro_batches)] + [("BW", j) for j in range(micro_batches)]
+
+
 def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None,
                  lean: bool = False) -> list[tuple[str, int]]:
     """ZB-H1 with one more W pending per stage than the paper's order, used to fill waits.
