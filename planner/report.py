@@ -61,7 +61,7 @@ def schedule_lines(best, plans: list, dev: Device) -> list[str]:
         return []
     gib, usable = 2**30, dev.usable_bytes()
     parts = []
-    for p in sorted(same, key=lambda p: p.time["total"]):
+    for p in sorted(same, key=lambda p: (p.time["total"], p.peak_bytes)):
         fits = "" if p.peak_bytes <= usable else ", does not fit"
         gain = "" if p is base else f", {p.time['total'] / base.time['total'] - 1:+.1%}"
         parts.append(f"{p.layout.schedule_name} {p.time['total']:.3f} s{gain} (bubble {p.time['bubble_fraction']:.1%}, "
