@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from parallel.zb_timeline import (Candidate, Op, Order, choose, gpipe_order, one_f_one_b_order, schedule_candidates,
-                                  simulate, zb_h1_order)
+                                  simulate, zb_h1_order, zb_h2_order)
 
 Candidates = Callable[[int, int, "int | None"], list[Candidate]]
 """(stages, micro-batches, bound on pending W) → the orders the engine may choose from, least memory first."""
@@ -71,6 +71,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              zb_h1_order, candidates=schedule_candidates, pending_bounds=(0, None)),
     Schedule("gpipe", "GPipe", "every forward, then every backward (Huang et al. 2019), the pipeline papers' baseline: "
              "all m micro-batches in flight on every stage, 1F1B's bubble", gpipe_order),
+    Schedule("zb-h2", "ZB-H2", "zero-bubble ZB-H2 (Qi et al. 2024): ZB-H1 with twice the warm-up forwards and pending "
+             "weight passes, which fill the start and the tail; no idle time but the stages' skew while T_W >= T_B / 2, "
+             "at about twice ZB-H1's activation memory (2p - 1 micro-batches per stage)", zb_h2_order),
 )}
 """Every schedule `parallel.schedule` may name."""
 

@@ -70,6 +70,35 @@ def gpipe_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, 
     return [("F", j) for j in range(micro_batches)] + [("BW", j) for j in range(micro_batches)]
 
 
+def zb_h2_order(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """ZB-H2 (Qi et al., ICLR 2024, arXiv 2401.10241): ZB-H1 with twice the warm-up and twice the
+    pending weight passes. Stage s runs 2(p − 1 − s) + 1 forwards before its first B, which fills
+    its wait for the first gradient with work; then, per micro-batch, B, the W of the micro-batch 2s
+    earlier and the next F; the W left over fill the tail (the last stage keeps 2(p − 1)).
+
+    At equal costs every stage is busy from its first forward to its last W, the paper's
+    parallelogram: the only idle time is the (p − 1)·T_F skew between the first and the last stage
+    that a step closed by one collective (the clipping norm, the tied gradients) cannot avoid, so
+    a step takes 3m + p − 1 units. For other costs it idles (p − 1)·max(0, T_B − 2·T_W) beyond that
+    skew, where ZB-H1 idles (p − 1)·max(0, T_B − T_W). Every stage holds up to 2p − 1 micro-batches
+    between F and W (the first stage 2p − 1 in flight, the last one in flight and 2p − 2 W
+    pending): about twice ZB-H1's p."""
+    p, m, s = stages, micro_batches, stage
+    warmup = min(2 * (p - 1 - s) + 1, m)
+    order = [("F", k) for k in range(warmup)]
+    forwards, weights = warmup, 0
+    for b in range(m):
+        order.append(("B", b))
+        if b >= 2 * s:
+            order.append(("W", weights))
+            weights += 1
+        if forwards < m:
+            order.append(("F", forwards))
+            forwards += 1
+    order += [("W", k) for k in range(weights, m)]
+    return order
+
+
 def filled_order(stages: int, micro_batches: int, stage: int, max_pending: int | None = None,
                  lean: bool = False) -> list[tuple[str, int]]:
     """ZB-H1 with one more W pending per stage than the paper's order, used to fill waits.
