@@ -46,7 +46,7 @@ def paper_micro_batches() -> list[int]:
 
 
 def stage_costs(costs: dict, mode: str, pp: int, checkpoint: bool = False) -> list[dict[str, float]]:
-    """Per stage: F, B, W (ZB-H1) and F_1f1b, BW (1F1B), seconds per micro-batch; recomputation
+    """Per stage: F, B, W (split) and F_1f1b, BW (unsplit), seconds per micro-batch; recomputation
     (activation checkpointing) adds each layer's forward to its backward."""
     from model.config import ModelConfig
     from planner.planner import stage_kinds
@@ -153,108 +153,7 @@ def markdown(rows: list[dict], costs: dict, mode: str, spec: dict) -> str:
             lines.append(f"| {r['pp']} | {r['micro_batches']} | {label} | {row['bubble']:.3f}{ratio} | "
                          f"{row['step_s'] / base['step_s']:.3f} | {row['largest_stage_gib']:.1f} |")
     kinds = costs["modes"][mode]
-    out = []
-    for stage in stage_kinds(cfg, pp):
-        c = {k: 0.0 for k in ("F", "B", "W", "F_1f1b", "BW")}
-        for kind in stage:
-            if kind in kinds:
-                for k in c:
-                    c[k] += kinds[kind][k]
-                if checkpoint and kind in ("encoder", "decoder"):
-                    c["B"] += kinds[kind]["F"]
-                    c["BW"] += kinds[kind]["F_1f1b"]
-        out.append(c)
-    return out
-
-
-def _timeline_stats(pp: int, m: int, cost, orders) -> dict:
-    from parallel.zb_timeline import fixed, simulate
-
-    timeline = simulate(pp, m, cost, fixed(orders))
-    span = max(ops[-1][1] for ops in timeline)
-    idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
-    return {"step_s": span, "bubble": statistics.fmean(idle), "stage_idle": idle}
-
-
-def variants() -> list[tuple[str, str, int | None]]:
-    """(label, schedule, bound) of every schedule of the registry, one with pending bounds under each
-    (labelled as the planner's table does: zb-h1(w=-1))."""
-    from parallel.schedules import SCHEDULES
-
-    out = []
-    for name, spec in SCHEDULES.items():
-        for bound in spec.pending_bounds or (0,):
-            label = f"{name}(w={-1 if bound is None else bound})" if spec.pending_bounds else name
-            out.append((label, name, bound))
-    return out
-
-
-def replay_one(costs: dict, mode: str, pp: int, m: int, checkpoint: bool = False) -> dict:
-    """Every schedule (`variants`) at `pp` stages and `m` micro-batches: its bubble, step and the
-    orders' memory (planner/zb.py `order_memory`)."""
-    from parallel.schedules import SCHEDULES
-    from parallel.zb_timeline import with_first_stage_share
-    from planner.zb import order_memory
-
-    per_stage = stage_costs(costs, mode, pp, checkpoint)
-    unsplit = [{"F": c["F_1f1b"], "BW": c["BW"]} for c in per_stage]
-    split = [{"F": c["F"], "B": c["B"], "W": c["W"]} for c in per_stage]
-    rows = {}
-    for label, name, bound in variants():
-        spec = SCHEDULES[name]
-        cost = split if spec.splits_backward else unsplit
-        orders, share, _ = spec.choose(pp, m, cost, bound)
-        rows[label] = {**_timeline_stats(pp, m, with_first_stage_share(cost, pp, share), orders),
-                       "schedule": name, "bound": bound, "memory": order_memory(orders, share)}
-    return {"pp": pp, "micro_batches": m, "stage_costs": per_stage, "schedules": rows}
-
-
-def largest_stage_gib(costs: dict, pp: int, m: int, row: dict, gpu: str, gpus: int, checkpoint: bool) -> float:
-    """The planner's peak memory of the largest stage for this row's schedule and order."""
-    from model.config import ModelConfig
-    from planner.devices import device
-    from planner.planner import Candidate, stage_memory
-
-    cfg = ModelConfig(**costs["model"])
-    mb = costs["micro_batch"]
-    layout = Candidate(pp=pp, tp=1, dp=max(1, gpus // pp), micro_batches=m, sequences=mb["sequences"],
-                       src_len=mb["src_len"], tgt_len=mb["tgt_len"], checkpoint=int(checkpoint),
-                       precision=costs["precision"] if costs["precision"] != "fp32" else "bf16",
-                       schedule=row["schedule"], zb_max_pending=row["bound"])
-    return max(stage_memory(cfg, layout, s, device(gpu), row["memory"])["peak"] for s in range(pp)) / 2**30
-
-
-def replay(costs: dict, mode: str, pps: list[int], ms: list[int], gpu: str = "h100-80gb", gpus: int = 128,
-           checkpoint: bool = False) -> list[dict]:
-    out = []
-    for pp in pps:
-        for m in ms:
-            r = replay_one(costs, mode, pp, m, checkpoint)
-            for row in r["schedules"].values():
-                row["largest_stage_gib"] = largest_stage_gib(costs, pp, m, row, gpu, gpus, checkpoint)
-                del row["memory"]
-            out.append(r)
-    return out
-
-
-def markdown(rows: list[dict], costs: dict, mode: str, spec: dict) -> str:
-    mb = costs["micro_batch"]
-    lines = [f"Replay of measured F, B, W ({mode}) from `{spec['costs']}`: {costs['device']}, {costs['precision']}, "
-             f"model d = {costs['model']['d_model']}, {costs['model']['encoder_layers']}L-"
-             f"{costs['model']['decoder_layers']}L, micro-batch {mb['sequences']} × ({mb['src_len']} + {mb['tgt_len']}); "
-             f"memory: planner, {spec['gpu']}, dp = {spec['gpus']} / pp"
-             + (", activation checkpointing" if spec["checkpoint"] else "") + ".", "",
-             "| pp | m | 1F1B bubble | ZB-H1 w=0 bubble (÷ 1F1B) | ZB-H1 w=-1 bubble (÷ 1F1B) | step ZB-H1 w=-1 ÷ 1F1B "
-             "| largest stage GiB 1F1B / w=0 / w=-1 |", "|---" * 7 + "|"]
-    for r in rows:
-        s = r["schedules"]
-        one, w0, auto = s["1f1b"], s["zb-h1(w=0)"], s["zb-h1(w=-1)"]
-        lines.append(f"| {r['pp']} | {r['micro_batches']} | {one['bubble']:.3f} | {w0['bubble']:.3f} "
-                     f"({w0['bubble'] / one['bubble']:.2f}) | {auto['bubble']:.3f} ({auto['bubble'] / one['bubble']:.2f}) | "
-                     f"{auto['step_s'] / one['step_s']:.3f} | {one['largest_stage_gib']:.1f} / "
-                     f"{w0['largest_stage_gib']:.1f} / {auto['largest_stage_gib']:.1f} |")
-    kinds = costs["modes"][mode]
-    lines += ["", "Per layer kind, ms per micro-batch (F / B / W; 1F1B F / BW): " + "; ".join(
+    lines += ["", "Per layer kind, ms per micro-batch (F / B / W; unsplit F / BW): " + "; ".join(
         f"{k} {c['F'] * 1e3:.3f} / {c['B'] * 1e3:.3f} / {c['W'] * 1e3:.3f}; {c['F_1f1b'] * 1e3:.3f} / {c['BW'] * 1e3:.3f}"
         for k, c in kinds.items()) + "."]
     return "\n".join(lines) + "\n"

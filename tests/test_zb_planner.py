@@ -17,8 +17,7 @@ import os
 import pytest
 
 from model.config import ModelConfig
-from parallel.zb_timeline import (fixed, filled_order, one_f_one_b_order, simulate, tuned_schedule,
-                                  with_first_stage_share, zb_h1_order)
+from parallel.zb_timeline import fixed, filled_order, one_f_one_b_order, simulate, tuned_schedule, with_first_stage_share
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
