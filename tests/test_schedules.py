@@ -2,7 +2,8 @@
 schedule added in a temporary module taken by the config, the planner, the simulator and this
 equivalence test without another line.
 
-Two launches of 4 ranks (tests/dist/schedules_worker.py): pp = 2 × tp = 2 (4 micro-batches) and
+Two launches of 4 ranks (tests/dist/schedules_worker.py): pp = 2 × tp = 2 (4 micro-batches,
+activation checkpointing every layer) and
 pp = 4 (8 micro-batches, more than a ZB-H2 first stage's 2p − 1 warm-up forwards), ZeRO-1, every
 step clipped. Each trains every schedule, the added one and DeepSpeed's own 1F1B (PipelineEngine
 running its TrainSchedule) in fp32, and at pp = 4 every registry schedule and DeepSpeed's 1F1B in
@@ -45,9 +46,11 @@ SCHEDULE = Schedule("test-lifo", "LIFO", "all forwards, backwards last in first 
                     lifo_order)
 '''
 NAMES = [*SCHEDULES, ADDED]
-LAYOUTS = {"pp2tp2": ({"pipeline_stages": 2, "tensor_parallel": 2}, 4, "fp32"), "pp4": ({"pipeline_stages": 4}, 8, "fp32,bf16")}
-"""(parallel section, micro-batches, precisions): bf16 at pp = 4 only, to keep the suite short
-(tests/test_zero_bubble_equivalence.py runs bf16 under tensor parallelism)."""
+LAYOUTS = {"pp2tp2": ({"pipeline_stages": 2, "tensor_parallel": 2, "activation_checkpoint_interval": 1}, 4, "fp32"),
+           "pp4": ({"pipeline_stages": 4}, 8, "fp32,bf16")}
+"""(parallel section, micro-batches, precisions): recomputing every layer under tensor parallelism;
+bf16 at pp = 4 only, to keep the suite short (tests/test_zero_bubble_equivalence.py runs bf16
+under tensor parallelism)."""
 
 
 @pytest.fixture(scope="module")
