@@ -2,7 +2,7 @@
 
     ./run.sh bench train [CONFIG] [--grid GRID.yaml] [--pp 1,2] [--dp 1] [--tp 1] [--ac 0,1]
                          [--max-tokens 1024] [--micro-batches 4] [--precision fp32] [--threads 1]
-                         [--schedule 1f1b,zb-h1] [--zb-max-pending-w=0,-1] [--zero 0,1]
+                         [--schedule NAME,...] [--zb-max-pending-w=0,-1] [--zero 0,1]
                          [--partition cost,parameters] [--warmup 2] [--steps 5] [--model NAME] [--out DIR]
                          [--work-dir DIR] [--profile] [--trace]
 
@@ -62,9 +62,12 @@ def expand(entry: dict, where: str) -> list[dict]:
 
 def layout_name(layout: dict) -> str:
     threads = f"-t{layout['threads']}" if "threads" in layout else ""
-    schedule = f"-{layout['schedule']}" if layout.get("schedule", "1f1b") != "1f1b" else ""
+    from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
+
+    name = layout.get("schedule", DEFAULT_SCHEDULE)
+    schedule = f"-{name}" if name != DEFAULT_SCHEDULE else ""
     partition = f"-part-{layout['partition']}" if layout.get("partition", "cost") != "cost" else ""
-    if layout.get("schedule") == "zb-h1" and "zb_max_pending_w" in layout:
+    if name in SCHEDULES and SCHEDULES[name].pending_bounds and "zb_max_pending_w" in layout:
         schedule += "-auto" if layout["zb_max_pending_w"] < 0 else f"-w{layout['zb_max_pending_w']}"
     zero = f"-z{layout['zero']}" if layout.get("zero", 1) != 1 else ""  # ZeRO stage (parallel.zero_stage)
     return (f"pp{layout.get('pp', 1)}-tp{layout.get('tp', 1)}-dp{layout.get('dp', 1)}-mt{layout['max_tokens']}"

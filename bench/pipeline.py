@@ -1,13 +1,14 @@
 """Pipeline-schedule measures of `./run.sh bench train` and `./run.sh bench schedules`: the
-measured bubble per rank and step (wall clock), its theory, and the CPU replay of a schedule on
-the measured per-stage costs of F, B and W (parallel/zb_timeline.py); the per-stage table that
-sets 1F1B and ZB-H1 side by side."""
+measured bubble per rank and step (wall clock), the schedule's simulated bubble at equal costs,
+and the CPU replay of a schedule's orders on the measured per-stage costs of F, B and W
+(parallel/zb_timeline.py); the per-stage table that sets the schedules of a grid side by side.
+Every schedule is read from the registry (parallel/schedules.py) and the orders its engine ran."""
 from __future__ import annotations
 
-import functools
 import statistics
 
 from parallel.config import ParallelConfig
+from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES, UNIT
 
 MB = 2**20
 
@@ -49,11 +50,13 @@ def measured_bubble(result: dict) -> float:
 
 
 def bubble_theory(layout: dict) -> float:
-    """1F1B: (p−1)/(m+p−1); ZB-H1 with F, B and W of equal cost: (p−1)/(3m+p−1)."""
+    """The schedule's bubble with F, B and W of equal cost (its order simulated; an unsplit backward
+    costs B + W): 1F1B (p−1)/(m+p−1), ZB-H1 (p−1)/(3m+p−1)."""
     pp, m = layout["pp"], layout["micro_batches"]
-    if layout.get("schedule", "1f1b") == "zb-h1":
-        return (pp - 1) / (3 * m + pp - 1)
-    return (pp - 1) / (m + pp - 1)
+    schedule = SCHEDULES[layout.get("schedule", DEFAULT_SCHEDULE)]
+    bound = ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0))
+    _, _, span = schedule.choose(pp, m, UNIT, bound)
+    return 1.0 - 3 * m / span
 
 
 def schedule_stats(result: dict) -> dict:
@@ -72,7 +75,7 @@ def schedule_stats(result: dict) -> dict:
                 busy[s].append(sum(inst.get(k, 0.0) for k in PIPELINE_OPS))
         if rank.get("live_memory"):
             live[s] = max(live[s], rank["live_memory"]["peak"] / MB)
-    return {"schedule": result["layout"].get("schedule", "1f1b"), "zero_stage": result["layout"].get("zero", 1),
+    return {"schedule": result["layout"].get("schedule", DEFAULT_SCHEDULE), "zero_stage": result["layout"].get("zero", 1),
             "stage_bubble": [statistics.fmean(b) if b else None for b in bubble],
             "stage_busy_s": [statistics.fmean(b) if b else None for b in busy],
             "stage_live_peak_mb": live, **replayed_pipeline(result)}
@@ -81,18 +84,16 @@ def schedule_stats(result: dict) -> dict:
 def replayed_pipeline(result: dict) -> dict:
     """The pipeline phase replayed from CPU time: each stage's mean CPU seconds per micro-batch of
     forward, backward and weight pass (its ranks' mean over the measured steps) put on the
-    schedule's dependency graph (parallel/zb_timeline.py, transfers free). Other processes on a
-    shared machine stretch wall time and so the measured bubble; they barely change CPU time,
-    so this is the schedule's own bubble and step time at the measured op costs.
+    dependency graph of the orders the engine ran (parallel/zb_timeline.py, transfers free). Other
+    processes on a shared machine stretch wall time and so the measured bubble; they barely change
+    CPU time, so this is the schedule's own bubble and step time at the measured op costs.
 
-    1F1B's backward is one op (B + W); ZB-H1 replays the orders its engine ran (`zb_orders` of a
-    rank, tuned to the costs it measured), where a first stage whose W follows each B at once
-    computes W inside B."""
-    from parallel.schedules import SCHEDULES
-    from parallel.zb_timeline import fixed, simulate, zb_h1_order
-
+    The orders are those a rank recorded (`orders`: the engine's, tuned to the costs it measured,
+    the first stage's B + own W run as one backward), else the schedule's at equal costs; an
+    unsplit backward (BW) costs what its BackwardPass took, which then includes its W."""
     layout = result["layout"]
-    pp, m, schedule = layout["pp"], layout["micro_batches"], layout.get("schedule", "1f1b")
+    pp, m = layout["pp"], layout["micro_batches"]
+    schedule = SCHEDULES[layout.get("schedule", DEFAULT_SCHEDULE)]
     per_stage: list[list[dict]] = [[] for _ in range(pp)]
     for rank in result["ranks"]:
         per_stage[rank["stage"]].extend(rank.get("instructions_cpu") or [])
@@ -103,21 +104,26 @@ def replayed_pipeline(result: dict) -> dict:
         f, b, w = (statistics.fmean(step.get(k, 0.0) for step in steps) / m
                    for k in ("ForwardPass", "BackwardPass", "WeightPass"))
         costs.append({"F": f, "B": b, "W": w, "BW": b + w})
-    order = SCHEDULES[schedule].order
-    ran = next((rank["zb_orders"] for rank in result["ranks"] if rank.get("zb_orders")), None)
-    if schedule == "zb-h1" and ran:
-        order = fixed(ran)
-    elif schedule == "zb-h1":  # no orders recorded: parallel.zb_max_pending_w's untuned order
-        order = functools.partial(zb_h1_order, max_pending=ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0)))
-    timeline = simulate(pp, m, costs, order)
+    ran = next((rank["orders"] for rank in result["ranks"] if rank.get("orders")), None)
+    if ran:
+        orders = [[tuple(op) for op in o] for o in ran]
+        share = next((rank.get("share", 1.0) for rank in result["ranks"] if rank.get("orders")), 1.0)
+    else:  # none recorded: the schedule's orders at equal costs within parallel.zb_max_pending_w
+        orders, share, _ = schedule.choose(pp, m, UNIT, ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0)))
+    from parallel.pipe_schedule import fused
+    from parallel.zb_timeline import fixed, simulate
+
+    # what ran: the first stage's B + own W as one backward, whose time its BackwardPass measured
+    timeline = simulate(pp, m, costs, fixed([fused(orders[0]), *orders[1:]]))
     span = max(ops[-1][1] for ops in timeline)
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
-    return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs}
+    return {"replay_step_s": span, "replay_bubble": statistics.fmean(idle), "replay_costs": costs,
+            "replay_share": share}
 
 
 def schedule_table(rows: list[dict]) -> list[str]:
-    """1F1B and ZB-H1 side by side, per stage (only when the grid has more than one schedule)."""
-    if len({r.get("schedule", "1f1b") for r in rows}) < 2:
+    """The grid's schedules side by side, per stage (only when it has more than one)."""
+    if len({r.get("schedule", DEFAULT_SCHEDULE) for r in rows}) < 2:
         return []
     lines = ["", "Pipeline schedules per stage: measured bubble (idle fraction of the pipeline phase), busy seconds "
              "(forward + backward + weight passes, wall) per step, peak RSS above the baseline, peak of live tensors "
@@ -128,7 +134,7 @@ def schedule_table(rows: list[dict]) -> list[str]:
     for r in rows:
         def cells(values, fmt):
             return " / ".join("n/a" if v is None else format(v, fmt) for v in values)
-        lines.append(f"| {r['layout']} | {r.get('schedule', '1f1b')} | {r['step_s_median']:.2f} "
+        lines.append(f"| {r['layout']} | {r.get('schedule', DEFAULT_SCHEDULE)} | {r['step_s_median']:.2f} "
                      f"| {cells(r['stage_bubble'], '.2f')} | {cells(r['stage_busy_s'], '.2f')} "
                      f"| {cells([r['replay_step_s']], '.3f')}, {cells([r['replay_bubble']], '.3f')} "
                      f"| {cells(r['stage_peak_mb'], '.0f')} | {cells(r['stage_live_peak_mb'], '.0f')} |")

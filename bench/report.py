@@ -38,6 +38,7 @@ from bench.timeline import timeline_table
 from model.config import ModelConfig
 from model.flops import batch_flops, training_flops, utilization
 from parallel.config import ParallelConfig
+from parallel.schedules import DEFAULT_SCHEDULE
 from planner.planner import Candidate
 from runtime import accelerator
 from runtime.accelerator import HOST
@@ -171,7 +172,7 @@ def planner_layout(layout: dict, shape: tuple[int, int, int]) -> Candidate:
     """The planner's Candidate for a benchmark layout whose largest micro-batch had `shape`."""
     return Candidate(pp=layout["pp"], tp=layout.get("tp", 1), dp=layout["dp"], micro_batches=layout["micro_batches"],
                      sequences=shape[0], src_len=shape[1], tgt_len=shape[2], checkpoint=layout["ac"],
-                     precision=layout["precision"], schedule=layout.get("schedule", "1f1b"),
+                     precision=layout["precision"], schedule=layout.get("schedule", DEFAULT_SCHEDULE),
                      zb_max_pending=ParallelConfig.pending_bound(layout.get("zb_max_pending_w", 0)),
                      zero=layout.get("zero", 1))
 

@@ -321,7 +321,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             "instructions": [s.pop("instructions") for s in steps],
             "instructions_cpu": [s.pop("instructions_cpu") for s in steps],
             "breakdown": [s.pop("breakdown") for s in steps], "plain": plain or None,
-            "zb_orders": getattr(trainer.engine, "zb_orders", None), "zb_share": getattr(trainer.engine, "zb_share", None)}
+            "orders": getattr(trainer.engine, "orders", None), "share": getattr(trainer.engine, "deferred_share", None)}
     if profile_dir and torch.distributed.get_world_size() == 1:
         mine["profile"] = profile_step(trainer, os.path.join(profile_dir, f"{layout['name']}.profile.txt"))
     if trace_dir:  # bench/timeline.py: untimed by the speed phase's instruments

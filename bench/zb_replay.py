@@ -1,21 +1,21 @@
-"""The replay of 1F1B and ZB-H1 on measured costs per layer kind: the bubble and step time each
-schedule would have at every pipeline depth, and the memory of the largest stage.
+"""The replay of every schedule on measured costs per layer kind: the bubble and step time each
+schedule of the registry would have at every pipeline depth, and the memory of the largest stage.
 
     ./run.sh bench schedules --replay COSTS.json [--pp 2,4,8,16] [--micro-batches 8,16,32]
                              [--mode compiled] [--gpu h100-80gb --gpus 128] [--checkpoint] [--out DIR]
 
 COSTS.json is `--measure-costs`' output (bench/zb_costs.py): seconds per micro-batch of F, B, W (the
-split layer, as ZB-H1 runs it) and of F_1f1b, BW (unsplit, as 1F1B runs it) for each layer kind of
-the model it names, at its micro-batch shape. Each stage of the model's partition (the trainer's,
-parallel/partition.py) costs the sum of its layers; the final LayerNorms of Pre-LN stacks are not
-measured and count 0. Both schedules are put on zb_timeline's dependency graph (transfers
-free): 1F1B with F_1f1b and BW, ZB-H1 with the bound 0 (each W after its own B) and without a
-bound (the order the engine tunes to at these costs, as it does from the costs it measures in its
-second step). Bubble = the stages' mean idle fraction of the pipeline phase (bench/pipeline.py's
-replay). Memory: the planner's peak of the largest stage (planner/planner.py `stage_memory`, the
-replayed ZB-H1 order's pending W) on `--gpu` with dp = `--gpus` / pp; micro-batch counts default to
-those of the paper configs (configs/deepnet-*.yaml, their clusters included). Writes
-OUT/zb-replay.{md,json} (default runs/zb-replay).
+split layer, as a schedule with weight passes runs it) and of F_1f1b, BW (unsplit) for each layer
+kind of the model it names, at its micro-batch shape. Each stage of the model's partition (the
+trainer's, parallel/partition.py) costs the sum of its layers; the final LayerNorms of Pre-LN stacks
+are not measured and count 0. Every schedule of parallel/schedules.py (one with pending bounds under
+each) is put on zb_timeline's dependency graph (transfers free) with the costs it runs at (F_1f1b
+and BW unsplit; F, B, W split), in the order its engine would choose at these costs, as it does from
+the costs it measures in its second step. Bubble = the stages' mean idle fraction of the pipeline
+phase (bench/pipeline.py's replay). Memory: the planner's peak of the largest stage
+(planner/planner.py `stage_memory`, with what the replayed order holds) on `--gpu` with dp =
+`--gpus` / pp; micro-batch counts default to those of the paper configs (configs/deepnet-*.yaml,
+their clusters included). Writes OUT/zb-replay.{md,json} (default runs/zb-replay).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import statistics
 
 import yaml
 
+from parallel.schedules import DEFAULT_SCHEDULE
 from runtime.accelerator import HOST
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +46,7 @@ def paper_micro_batches() -> list[int]:
 
 
 def stage_costs(costs: dict, mode: str, pp: int, checkpoint: bool = False) -> list[dict[str, float]]:
-    """Per stage: F, B, W (ZB-H1) and F_1f1b, BW (1F1B), seconds per micro-batch; recomputation
+    """Per stage: F, B, W (split) and F_1f1b, BW (unsplit), seconds per micro-batch; recomputation
     (activation checkpointing) adds each layer's forward to its backward."""
     from model.config import ModelConfig
     from planner.planner import stage_kinds
@@ -66,54 +67,61 @@ def stage_costs(costs: dict, mode: str, pp: int, checkpoint: bool = False) -> li
     return out
 
 
-def _timeline_stats(pp: int, m: int, cost, order) -> dict:
-    from parallel.zb_timeline import simulate
+def _timeline_stats(pp: int, m: int, cost, orders) -> dict:
+    from parallel.zb_timeline import fixed, simulate
 
-    timeline = simulate(pp, m, cost, order)
+    timeline = simulate(pp, m, cost, fixed(orders))
     span = max(ops[-1][1] for ops in timeline)
     idle = [1.0 - sum(end - start for start, end, _, _ in ops) / span for ops in timeline]
     return {"step_s": span, "bubble": statistics.fmean(idle), "stage_idle": idle}
 
 
+def variants() -> list[tuple[str, str, int | None]]:
+    """(label, schedule, bound) of every schedule of the registry, one with pending bounds under each
+    (labelled as the planner's table does: zb-h1(w=-1))."""
+    from parallel.schedules import SCHEDULES
+
+    out = []
+    for name, spec in SCHEDULES.items():
+        for bound in spec.pending_bounds or (0,):
+            label = f"{name}(w={-1 if bound is None else bound})" if spec.pending_bounds else name
+            out.append((label, name, bound))
+    return out
+
+
 def replay_one(costs: dict, mode: str, pp: int, m: int, checkpoint: bool = False) -> dict:
-    """1F1B, ZB-H1 bound 0 and ZB-H1 tuned (no bound) at `pp` stages and `m` micro-batches."""
-    from parallel.zb_timeline import (
-        fixed,
-        one_f_one_b_order,
-        pending_peak,
-        tuned_schedule,
-        with_first_stage_share,
-        zb_h1_order,
-    )
+    """Every schedule (`variants`) at `pp` stages and `m` micro-batches: its bubble, step and the
+    orders' memory (planner/zb.py `order_memory`)."""
+    from parallel.schedules import SCHEDULES
+    from parallel.zb_timeline import with_first_stage_share
+    from planner.zb import order_memory
 
     per_stage = stage_costs(costs, mode, pp, checkpoint)
-    ones = [{"F": c["F_1f1b"], "B": c["BW"], "W": 0.0, "BW": c["BW"]} for c in per_stage]
-    zb = [{"F": c["F"], "B": c["B"], "W": c["W"]} for c in per_stage]
-    rows = {"1f1b": {**_timeline_stats(pp, m, ones, one_f_one_b_order), "pending_peaks": [0] * pp, "share": 1.0}}
-    bound0 = [zb_h1_order(pp, m, s, 0) for s in range(pp)]
-    rows["zb-h1(w=0)"] = {**_timeline_stats(pp, m, zb, fixed(bound0)), "pending_peaks": [0] * pp, "share": 1.0}
-    orders, share = tuned_schedule(pp, m, zb, None)
-    rows["zb-h1(w=-1)"] = {**_timeline_stats(pp, m, with_first_stage_share(zb, pp, share), fixed(orders)),
-                           "pending_peaks": [pending_peak(o) for o in orders], "share": share}
+    unsplit = [{"F": c["F_1f1b"], "BW": c["BW"]} for c in per_stage]
+    split = [{"F": c["F"], "B": c["B"], "W": c["W"]} for c in per_stage]
+    rows = {}
+    for label, name, bound in variants():
+        spec = SCHEDULES[name]
+        cost = split if spec.splits_backward else unsplit
+        orders, share, _ = spec.choose(pp, m, cost, bound)
+        rows[label] = {**_timeline_stats(pp, m, with_first_stage_share(cost, pp, share), orders),
+                       "schedule": name, "bound": bound, "memory": order_memory(orders, share)}
     return {"pp": pp, "micro_batches": m, "stage_costs": per_stage, "schedules": rows}
 
 
-def largest_stage_gib(costs: dict, pp: int, m: int, row: dict, schedule: str, gpu: str, gpus: int,
-                      checkpoint: bool) -> float:
-    """The planner's peak memory of the largest stage for this schedule and order."""
+def largest_stage_gib(costs: dict, pp: int, m: int, row: dict, gpu: str, gpus: int, checkpoint: bool) -> float:
+    """The planner's peak memory of the largest stage for this row's schedule and order."""
     from model.config import ModelConfig
     from planner.devices import device
     from planner.planner import Candidate, stage_memory
 
     cfg = ModelConfig(**costs["model"])
     mb = costs["micro_batch"]
-    zb = schedule != "1f1b"
     layout = Candidate(pp=pp, tp=1, dp=max(1, gpus // pp), micro_batches=m, sequences=mb["sequences"],
                        src_len=mb["src_len"], tgt_len=mb["tgt_len"], checkpoint=int(checkpoint),
                        precision=costs["precision"] if costs["precision"] != "fp32" else "bf16",
-                       schedule="zb-h1" if zb else "1f1b", zb_max_pending=None if schedule.endswith("-1)") else 0)
-    pending = {"pending_peaks": row["pending_peaks"], "first_share": row["share"]}
-    return max(stage_memory(cfg, layout, s, device(gpu), pending)["peak"] for s in range(pp)) / 2**30
+                       schedule=row["schedule"], zb_max_pending=row["bound"])
+    return max(stage_memory(cfg, layout, s, device(gpu), row["memory"])["peak"] for s in range(pp)) / 2**30
 
 
 def replay(costs: dict, mode: str, pps: list[int], ms: list[int], gpu: str = "h100-80gb", gpus: int = 128,
@@ -122,8 +130,9 @@ def replay(costs: dict, mode: str, pps: list[int], ms: list[int], gpu: str = "h1
     for pp in pps:
         for m in ms:
             r = replay_one(costs, mode, pp, m, checkpoint)
-            for name, row in r["schedules"].items():
-                row["largest_stage_gib"] = largest_stage_gib(costs, pp, m, row, name, gpu, gpus, checkpoint)
+            for row in r["schedules"].values():
+                row["largest_stage_gib"] = largest_stage_gib(costs, pp, m, row, gpu, gpus, checkpoint)
+                del row["memory"]
             out.append(r)
     return out
 
@@ -135,17 +144,16 @@ def markdown(rows: list[dict], costs: dict, mode: str, spec: dict) -> str:
              f"{costs['model']['decoder_layers']}L, micro-batch {mb['sequences']} × ({mb['src_len']} + {mb['tgt_len']}); "
              f"memory: planner, {spec['gpu']}, dp = {spec['gpus']} / pp"
              + (", activation checkpointing" if spec["checkpoint"] else "") + ".", "",
-             "| pp | m | 1F1B bubble | ZB-H1 w=0 bubble (÷ 1F1B) | ZB-H1 w=-1 bubble (÷ 1F1B) | step ZB-H1 w=-1 ÷ 1F1B "
-             "| largest stage GiB 1F1B / w=0 / w=-1 |", "|---" * 7 + "|"]
+             "| pp | m | schedule | bubble (÷ default's) | step ÷ default's | largest stage GiB |", "|---" * 6 + "|"]
     for r in rows:
         s = r["schedules"]
-        one, w0, auto = s["1f1b"], s["zb-h1(w=0)"], s["zb-h1(w=-1)"]
-        lines.append(f"| {r['pp']} | {r['micro_batches']} | {one['bubble']:.3f} | {w0['bubble']:.3f} "
-                     f"({w0['bubble'] / one['bubble']:.2f}) | {auto['bubble']:.3f} ({auto['bubble'] / one['bubble']:.2f}) | "
-                     f"{auto['step_s'] / one['step_s']:.3f} | {one['largest_stage_gib']:.1f} / "
-                     f"{w0['largest_stage_gib']:.1f} / {auto['largest_stage_gib']:.1f} |")
+        base = s[DEFAULT_SCHEDULE]
+        for label, row in s.items():
+            ratio = f" ({row['bubble'] / base['bubble']:.2f})" if base["bubble"] else ""
+            lines.append(f"| {r['pp']} | {r['micro_batches']} | {label} | {row['bubble']:.3f}{ratio} | "
+                         f"{row['step_s'] / base['step_s']:.3f} | {row['largest_stage_gib']:.1f} |")
     kinds = costs["modes"][mode]
-    lines += ["", "Per layer kind, ms per micro-batch (F / B / W; 1F1B F / BW): " + "; ".join(
+    lines += ["", "Per layer kind, ms per micro-batch (F / B / W; unsplit F / BW): " + "; ".join(
         f"{k} {c['F'] * 1e3:.3f} / {c['B'] * 1e3:.3f} / {c['W'] * 1e3:.3f}; {c['F_1f1b'] * 1e3:.3f} / {c['BW'] * 1e3:.3f}"
         for k, c in kinds.items()) + "."]
     return "\n".join(lines) + "\n"

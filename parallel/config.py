@@ -24,8 +24,16 @@ def _partition_method_ok(method: str) -> bool:
     return True
 
 
-ScheduleName = Annotated[str, Rule(lambda v: v in SCHEDULES, f"must be one of {', '.join(SCHEDULES)} "
-                                  "(parallel/schedules.py)")]
+class _Registered(Rule):
+    """A registry name: the error lists the names registered when it is raised (the docs' text
+    names none, so a schedule added to the registry changes no generated table)."""
+
+    def problem(self, value) -> str | None:
+        return None if value in SCHEDULES else f"must be one of {', '.join(SCHEDULES)} (parallel/schedules.py)"
+
+
+ScheduleName = Annotated[str, _Registered(lambda v: v in SCHEDULES, "must be a schedule name of parallel/schedules.py "
+                                          "(the error for any other lists them)")]
 
 PrecisionName = Annotated[str, Rule(lambda v: v in PRECISIONS, f"must be one of {', '.join(PRECISIONS)} "
                                     "(parallel/precision.py)")]
@@ -61,21 +69,20 @@ class ParallelConfig:
     """cost (FLOP model, decoder layer ≈ 4/3 encoder layer, output layer ∝ vocabulary) |
     parameters | uniform | type:REGEX (DeepSpeed's methods)."""
     schedule: ScheduleName = DEFAULT_SCHEDULE
-    """Pipeline schedule: 1f1b (DeepSpeed's) | zb-h1 (zero-bubble ZB-H1: each backward split into
-    the input gradient, run at once, and the weight gradients, run later to fill the pipeline's
-    idle time; any precision, the same numbers as 1f1b; see parallel/zero_bubble.py). `./run.sh
-    plan` proposes it where it shortens the step within memory."""
+    """Pipeline schedule: a name in parallel/schedules.py's registry, each a per-stage order of
+    forwards and backwards (some split into input and weight gradients) that one engine runs;
+    all compute the same numbers. `./run.sh plan` prices each from its order (memory, bubble) and
+    proposes the fastest that fits; docs/pipeline.md describes them."""
     zb_max_pending_w: Annotated[int, Range(ge=-1)] = 0
-    """zb-h1 only: at most this many weight passes (W) a stage keeps waiting. 0: every W right after
-    its own B, so no stage holds more than its 1F1B memory; k > 0: up to k deferred W per stage;
-    -1: no bound: the order tuned to the F, B and W times measured in the second step (the paper's,
-    stage s keeping s pending, or the filled one keeping up to s + 1, the first stage too), which
-    fills the most bubble. k ≠ 0 tunes within its bound too. Numbers are identical for every value.
-    Memory: each pending W holds one micro-batch's inputs and output gradients of the stage's
-    linears, per layer and token (8d + 2f)·e bytes on an encoder layer and (12d + 2f)·e (+ 3d·e
-    per source token) on a decoder layer, e the element size: 1.1-1.3× that micro-batch's
-    activations of the layer (d = 1024, f = 4096, bf16: 32 MiB per encoder layer and 46 MiB per
-    decoder layer for 1,024 + 1,024 tokens). `./run.sh plan` prices each stage with it."""
+    """For a schedule whose registry entry has pending bounds: at most this many weight passes (W) a
+    stage keeps waiting. 0: every W right after its own B, so no stage holds more than with the
+    backward unsplit; k > 0: up to k deferred W per stage; -1: no bound: the order tuned to the F, B
+    and W times measured in the second step (stage s keeping s pending, or up to s + 1, the first
+    stage too), which fills the most bubble. k ≠ 0 tunes within its bound too. Numbers are
+    identical for every value. Memory: each pending W holds one micro-batch's inputs and output
+    gradients of the stage's linears, per layer and token (8d + 2f)·e bytes on an encoder layer and
+    (12d + 2f)·e (+ 3d·e per source token) on a decoder layer, e the element size: 1.1-1.3× that
+    micro-batch's activations of the layer. `./run.sh plan` prices each stage with it."""
 
     @staticmethod
     def pending_bound(zb_max_pending_w: int) -> int | None:

@@ -27,8 +27,8 @@ not a torch one).
   them to None; the fold has already moved them into the buffer and freed them).
 
 `initialize` builds an engine class of this family for a PipelineModule (deepspeed 0.19.8's
-`deepspeed.initialize` hard-codes `PipelineEngine`); parallel/zero_bubble.py's engine derives
-from `TrainerEngine`.
+`deepspeed.initialize` hard-codes `PipelineEngine`); parallel/schedule_engine.py's engine, which
+runs every schedule, derives from `TrainerEngine`.
 """
 from __future__ import annotations
 

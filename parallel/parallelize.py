@@ -9,13 +9,13 @@ layout and applies, in this order,
 3. compilation — every encoder and decoder layer compiled by torch.compile, one graph per kind
    (parallel/compiled.py; `train.compile`), lazily at the first forward, so what 4 changes is
    inside the compiled layers' graphs;
-4. the schedule's weight split — a schedule whose backward defers the weight gradients
-   (parallel/schedules.py `splits_backward`: zb-h1) gives every weight-bearing module a backward
-   that returns the input gradient and hands the weight gradients to a store
+4. the schedule's weight split — a schedule whose orders defer the weight gradients (W ops;
+   parallel/schedules.py `splits_backward`) gives every weight-bearing module a backward that
+   returns the input gradient and hands the weight gradients to a store
    (parallel/weight_split.py);
-5. the engine — the client AdamW and the inverse-square-root schedule, wrapped by the schedule's
-   DeepSpeed engine with the precision's flags (parallel/precision.py), FlatOptimizer
-   (parallel/optimizer.py) and ZeRO.
+5. the engine — the client AdamW and the inverse-square-root schedule, wrapped by the engine that
+   runs every schedule's orders (parallel/schedule_engine.py) with the precision's flags
+   (parallel/precision.py), FlatOptimizer (parallel/optimizer.py) and ZeRO.
 
 No other module makes a stage parallel: `build_engine` builds the plain stage and calls this; the
 trainer, the engine benchmarks and the tests call `build_engine`. The benchmarks of bare layers
@@ -69,11 +69,19 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: Optimization, run_d
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(t.warmup_steps))
     config = deepspeed_config(p, t, run_dir, load_universal)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its config and memory use
-        engine = initialize(stage, optimizer, scheduler, config, schedule.engine_class())
+        engine = initialize(stage, optimizer, scheduler, config, engine_class())
     if schedule.pending_bounds:
         engine.max_pending_w = p.pending_bound(p.zb_max_pending_w)
     engine.precision, engine.schedule, engine.compiled_layers = precision, schedule, compiled
     return engine
+
+
+def engine_class() -> type:
+    """The engine class every schedule runs on (a function, so that a comparison can build
+    DeepSpeed's own TrainerEngine, which runs its TrainSchedule, in its place)."""
+    from parallel.schedule_engine import ScheduleEngine
+
+    return ScheduleEngine
 
 
 def build_engine(layout: Layout, model_cfg: ModelConfig, p: ParallelConfig, t: Optimization, run_dir: str,

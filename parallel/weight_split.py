@@ -1,4 +1,4 @@
-"""B/W-split backward for the zero-bubble schedule (parallel/zero_bubble.py).
+"""B/W-split backward for the zero-bubble schedule (parallel/schedule_engine.py).
 
 `split_weight_gradients(module, store)` gives every weight-bearing module of a built stage
 (nn.Linear, affine nn.LayerNorm, the shared embedding's lookup and its tied output projection,
@@ -340,8 +340,8 @@ def split_weight_gradients(module: nn.Module, store: WeightGradStore) -> int:
         count += 1
     missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in covered]
     if missing:
-        raise ValueError(f"parallel.schedule=zb-h1 cannot split the backward of {missing[:5]} "
-                         f"({len(missing)} parameters); use parallel.schedule: 1f1b")
+        raise ValueError(f"a schedule with weight passes (parallel.schedule) cannot split the backward of "
+                         f"{missing[:5]} ({len(missing)} parameters); use one whose order has none")
     return count
 
 

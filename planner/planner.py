@@ -12,23 +12,22 @@ Memory per pipeline stage, in bytes, for DeepSpeed 0.19.8 as this trainer config
   at the step, the buffer converted to the communication dtype where that differs (bf16, fp16).
 * Activations (`layer_activation_bytes`): what autograd saves per layer of this implementation,
   counted tensor by tensor (tests/test_planner.py checks the formula against saved-tensor hooks),
-  times the micro-batches in flight on the stage (1F1B: min(pp − stage, m)), plus the two
-  [B, S+T, d] pipeline buffers DeepSpeed keeps per micro-batch (received input, sent output),
-  plus the previous micro-batch's buffers that DeepSpeed has not yet overwritten,
-  plus the transient of the backward pass (one layer's worth of gradients, a recomputed chunk
-  under checkpointing, or the loss's gradients of the logits). With checkpointing a chunk keeps
-  only its input h.
+  times the micro-batches in flight on the stage, read from the schedule's order (1F1B:
+  min(pp − stage, m); GPipe: m), plus the W tensors of the weight passes its order keeps pending
+  at the same moment (planner/zb.py `order_memory`), plus the two [B, S+T, d] pipeline buffers
+  DeepSpeed keeps per micro-batch in flight (received input, sent output), plus the transient of
+  the backward pass (one layer's worth of gradients, a recomputed chunk under checkpointing, or
+  the loss's gradients of the logits). With checkpointing a chunk keeps only its input h.
 * The last stage keeps the logits [B, T, V] and the fp32 log-softmax until backward.
 
-Step time: 1F1B with a flush, so (m + pp − 1) slots of the slowest stage's forward + backward
-per micro-batch (compute at an assumed MFU, tensor-parallel all-reduces, the point-to-point send),
-then the data-parallel gradient reduction and the optimizer step, which DeepSpeed does not overlap.
-ZB-H1 (`Candidate.schedule`): the slot splits into F, B (input gradient) and W (weight gradients)
-in the proportions measured per layer kind on the device type (or the FLOP model's), and the
-pipeline phase is ZB-H1's simulated timeline; its memory adds the W tensors of the W each stage
-keeps pending in the order the engine would run (planner/zb.py). `candidate_layouts` offers every
-pipelined layout under 1F1B and under ZB-H1 with each bound of pending W (0: 1F1B's memory; none),
-so a search proposes ZB-H1 where it is faster within memory.
+Step time: the pipeline phase of the layout's schedule (`Candidate.schedule`), its order simulated
+with every stage at the slowest stage's compute per micro-batch (at an assumed MFU, with the
+tensor-parallel all-reduces and the point-to-point send), split into F and BW (or F, B, W for a
+schedule that splits its backward) in the proportions measured per layer kind on the device type
+(or the FLOP model's; planner/zb.py) — 1F1B's (m + pp − 1) slots — then the data-parallel gradient
+reduction and the optimizer step, which DeepSpeed does not overlap. `candidate_layouts` offers
+every pipelined layout under every schedule of the registry (one with pending bounds under each),
+so a search proposes the fastest schedule within memory.
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ from parallel.partition import stage_bounds
 from parallel.precision import precision_of
 from parallel.schedules import DEFAULT_SCHEDULE, SCHEDULES
 from planner.devices import Device
-from planner.zb import flop_costs, measured_costs, pipeline, stage_costs, weight_flops, weight_grad_bytes  # noqa: F401 (ZB-H1's model, planner/zb.py)
+from planner.zb import flop_costs, measured_costs, pipeline, stage_costs, weight_flops, weight_grad_bytes  # noqa: F401 (planner/zb.py)
 from runtime.accelerator import HOST
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -186,9 +185,10 @@ def layer_activation_bytes(cfg: ModelConfig, kind: str, sequences: int, src_len:
     return (ns if kind == "encoder_norm" else nt) * (element * d + 8)
 
 
-def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, zb: dict | None = None) -> dict[str, float]:
+def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, held: dict | None = None) -> dict[str, float]:
     """Peak bytes of one stage, by component, at whichever moment is larger (see module doc).
-    `zb`: ZB-H1's pending-W peaks and first-stage share (`zb_pipeline`'s; default: this layout's)."""
+    `held`: what the schedule's orders hold (planner/zb.py `order_memory`; default: the order this
+    layout's schedule runs, `pipeline_phase`)."""
     kinds = stage_kinds(cfg, layout.pp)[stage]
     params = sum(layer_params(cfg, k, layout.tp) for k in kinds)
     precision = precision_of(layout.precision)
@@ -203,7 +203,9 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
     b, s, t = layout.sequences, layout.src_len, layout.tgt_len
     acts = [layer_activation_bytes(cfg, k, b, s, t, e, mask, layout.tp) for k in kinds]
     h_bytes = b * (s + t) * cfg.d_model * e  # one [B, S+T, d] tensor
-    in_flight = min(layout.pp - stage, layout.micro_batches)
+    held = held or pipeline_phase(cfg, layout, dev)
+    states = held["held"][stage]  # (micro-batches in flight, pending W) that can peak
+    in_flight = max(a for a, _ in states)
     buffers = (stage > 0) * h_bytes + (stage < layout.pp - 1) * h_bytes
     layered = [a for a, k in zip(acts, kinds) if k in ("encoder", "decoder")]
     other = sum(a for a, k in zip(acts, kinds) if k not in ("encoder", "decoder"))
@@ -220,25 +222,14 @@ def stage_memory(cfg: ModelConfig, layout: Candidate, stage: int, dev: Device, z
     else:
         per_mb = sum(layered) + other
         transient = max(scratch, loss_scratch)
-    activations = in_flight * per_mb
-    if layout.splits_backward:
-        # ZB-H1 keeps some micro-batches' W pending while the stage runs forwards (the paper's
-        # order: `stage` of them, the last stage p − 1; the filled orders one more on the first
-        # stage, or a share of one, and the full filled order one more on every stage): the order
-        # the engine would tune to at the planner's costs (planner/zb.py). The micro-batch going
-        # through B turns its activations into its W tensors (the linear inputs are the same
-        # tensors), so B's peak is 1F1B's plus the pending ones. With checkpointing these are
-        # recomputed tensors. Measured (bench, pp = 2, default model, paper's order): the last
-        # stage's live tensors peak 1 micro-batch's W tensors above 1F1B's.
-        zb = zb or zb_pipeline(cfg, layout, dev)
-        held = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds)
-        activations += zb["pending_peaks"][stage] * (zb["first_share"] if stage == 0 else 1.0) * held
-    # DeepSpeed keeps max(2, in-flight) buffer slots; a slot's tensors live until it is reused, so
-    # with one micro-batch in flight the previous one's output (the logits, on the last stage)
-    # and received input are still held.
-    stale = max(0, min(max(2, in_flight), layout.micro_batches) - in_flight)
-    kept_output = b * t * cfg.d_model * e if stage == layout.pp - 1 else h_bytes
-    activations += stale * (kept_output + (stage > 0) * h_bytes)
+    # A pending W keeps its micro-batch's W tensors (each linear's input and output gradient; with
+    # checkpointing recomputed ones): the micro-batch going through B turns its activations into
+    # them. Measured (bench, pp = 2, default model, ZB-H1's paper order): the last stage's live
+    # tensors peak 1 micro-batch's W tensors above 1F1B's. The first stage may defer a share only.
+    w_bytes = sum(weight_grad_bytes(cfg, k, b, s, t, e) for k in kinds) * (held["first_share"] if stage == 0 else 1.0)
+    activations = max(a * per_mb + w * w_bytes for a, w in states)
+    # The schedule engine frees a micro-batch's buffers after its backward (parallel/schedule_engine.py):
+    # no slot keeps an earlier micro-batch's output or input.
     comm = in_flight * buffers + 2 * h_bytes  # + the gradient being received and the one sent
     state = params * (kept + unsharded + kept_dp / layout.dp)
     # Autograd's gradients appear as a backward frees its micro-batch's activations, layer by layer,
@@ -295,24 +286,18 @@ def _layer_seconds(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Effici
 
 
 def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency, zb_costs: dict | None = None) -> dict:
-    """Estimated seconds per optimizer step and its parts (see module doc); for ZB-H1 also "zb",
-    zb_pipeline's answer (the orders' pending W, for stage_memory)."""
+    """Estimated seconds per optimizer step and its parts (see module doc); "pipeline" is
+    pipeline_phase's answer (the order's memory, for stage_memory)."""
     seconds = _layer_seconds(cfg, layout, dev, mfu)
     recompute = {k: v / 3 if layout.checkpoint and k in ("encoder", "decoder") else 0.0 for k, v in seconds.items()}
     tp_comms, p2p = _stage_comm(cfg, layout, dev)
     per_stage = [(sum(seconds.get(k, 0.0) + recompute.get(k, 0.0) for k in kinds), comm)
                  for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comms)]
-    compute, tp_comm = max(per_stage, key=lambda x: x[0] + x[1])
-    slot = compute + tp_comm + p2p
-    pipeline = (layout.micro_batches + layout.pp - 1) * slot
-    bubble = (layout.pp - 1) * slot
-    bubble_fraction = (layout.pp - 1) / (layout.micro_batches + layout.pp - 1)
-    zb = None
-    if layout.splits_backward:
-        zb = zb_pipeline(cfg, layout, dev, mfu, zb_costs)
-        pipeline, bubble_fraction = zb["seconds"], zb["bubble_fraction"]
-        bubble = bubble_fraction * pipeline
-        compute = sum(zb["cost"].values()) - tp_comm - p2p  # with the split's own cost
+    _, tp_comm = max(per_stage, key=lambda x: x[0] + x[1])
+    pipe = pipeline_phase(cfg, layout, dev, mfu, zb_costs)
+    pipeline, bubble_fraction = pipe["seconds"], pipe["bubble_fraction"]
+    bubble = bubble_fraction * pipeline
+    compute = sum(pipe["cost"].values()) - tp_comm - p2p  # the slowest stage's, with a split's own cost
     # Data parallel: the accumulated gradients all-reduced in the weights' dtype (FlatOptimizer's
     # flat buffer, converted to DeepSpeed's communication dtype) + ZeRO-1's all-gather of the weights.
     e = precision_of(layout.precision).element_bytes
@@ -326,26 +311,30 @@ def step_time(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency,
     return {"total": total, "compute": (layout.micro_batches) * compute, "bubble": bubble,
             "tp_comm": layout.micro_batches * tp_comm, "pp_comm": layout.micro_batches * p2p,
             "dp_comm": dp_comm, "optimizer": optimizer,
-            "bubble_fraction": bubble_fraction, "zb": zb}
+            "bubble_fraction": bubble_fraction, "pipeline": pipe}
 
 
-def zb_pipeline(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency | None = None,
-                zb_costs: dict | None = None) -> dict:
-    """ZB-H1's pipeline phase (`pipeline`, above) of a planner Candidate: each stage's 1F1B compute split
-    into F, B, W (planner/zb.py) by the per-kind costs (`zb_costs`; default: those measured on this device type,
-    else the FLOP model's), its communication half in F, half in B. Without an mfu (memory's
-    default) the order is chosen at compute-only proportions."""
+def pipeline_phase(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency | None = None,
+                   zb_costs: dict | None = None) -> dict:
+    """The pipeline phase of a planner Candidate under its schedule (planner/zb.py `pipeline`): each
+    stage's compute (3 forwards' FLOPs at the efficiency) split into F, B, W or F, BW by the per-kind
+    costs (`zb_costs`; default: those measured on this device type, else the FLOP model's), its
+    communication half in F, half in the backward. Without an mfu (memory's default) the order is
+    chosen at compute-only proportions."""
+    schedule = SCHEDULES[layout.schedule]
     measured, source = (zb_costs, "given") if zb_costs else measured_costs(dev.name, cfg.d_model)
     kind_costs = measured or flop_costs(cfg, layout.src_len, layout.tgt_len)
     seconds = _layer_seconds(cfg, layout, dev, mfu or 1.0)
     tp_comm, p2p = _stage_comm(cfg, layout, dev) if mfu else ([0.0] * layout.pp, 0.0)
+    split = schedule.splits_backward
     per_stage = []
     for kinds, comm in zip(stage_kinds(cfg, layout.pp), tp_comm):
-        cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint))
+        cost = stage_costs(kinds, kind_costs, seconds, bool(layout.checkpoint), split)
         cost["F"] += (comm + p2p) / 2
-        cost["B"] += (comm + p2p) / 2
+        cost["B" if split else "BW"] += (comm + p2p) / 2
         per_stage.append(cost)
-    return {**pipeline(layout.pp, layout.micro_batches, per_stage, layout.zb_max_pending), "source": source}
+    return {**pipeline(layout.schedule, layout.pp, layout.micro_batches, per_stage, layout.zb_max_pending),
+            "source": source}
 
 
 @dataclass(frozen=True)
@@ -373,7 +362,7 @@ def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> P
     from model.flops import training_flops
 
     time = step_time(cfg, layout, dev, mfu)
-    stages = [stage_memory(cfg, layout, s, dev, time["zb"]) for s in range(layout.pp)]
+    stages = [stage_memory(cfg, layout, s, dev, time["pipeline"]) for s in range(layout.pp)]
     pairs = layout.sequences * layout.micro_batches * layout.dp
     return Plan(layout, stages, time, pairs * layout.tgt_len,
                 pairs * training_flops(cfg, layout.src_len, layout.tgt_len))
@@ -412,5 +401,7 @@ def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens
 def search(cfg: ModelConfig, gpus: int, dev: Device, mfu: Efficiency, **kwargs) -> tuple[list[Plan], list[Plan]]:
     """All candidate plans, split into (fitting, sorted fastest first) and (not fitting)."""
     plans = [plan(cfg, layout, dev, mfu) for layout in candidate_layouts(cfg, gpus, dev, **kwargs)]
-    fits = sorted((p for p in plans if p.peak_bytes <= dev.usable_bytes()), key=lambda p: -p.tokens_per_s)
+    # fastest first; of equal speed (GPipe's step is 1F1B's), the one holding less memory
+    fits = sorted((p for p in plans if p.peak_bytes <= dev.usable_bytes()),
+                  key=lambda p: (-float(f"{p.tokens_per_s:.9g}"), p.peak_bytes))
     return fits, [p for p in plans if p.peak_bytes > dev.usable_bytes()]

@@ -26,7 +26,7 @@ def explain(fits: list, too_big: list, dev: Device) -> list[str]:
                  f"activations {worst['activations'] / gib:.1f}, buffers {worst['buffers'] / gib:.1f}; peak in the "
                  f"{worst['peak_phase']}).")
     t = best.time
-    how = f"{SCHEDULES[lay.schedule].title}'s simulated order" if lay.splits_backward else "(p−1)/(m+p−1)"
+    how = f"{SCHEDULES[lay.schedule].title}'s order, simulated"
     lines.append(f"- Step {t['total']:.2f} s: compute {t['compute']:.2f}, bubble {t['bubble']:.2f} "
                  f"({t['bubble_fraction']:.1%} = {how}), TP {t['tp_comm']:.2f}, PP {t['pp_comm']:.2f}, "
                  f"DP {t['dp_comm']:.2f}, optimizer {t['optimizer']:.2f}.")
@@ -48,28 +48,27 @@ def explain(fits: list, too_big: list, dev: Device) -> list[str]:
 
 
 def schedule_lines(best, plans: list, dev: Device) -> list[str]:
-    """The best layout under its other pipeline schedules: what ZB-H1 gains against 1F1B there."""
+    """The best layout under every other schedule priced (the registry's, each pending bound): step
+    time against the default schedule's, bubble and heaviest stage."""
     import dataclasses
 
     lay = best.layout
     if lay.pp == 1:
         return []
-    by_layout = {p.layout: p for p in plans}
-    one = by_layout.get(dataclasses.replace(lay, schedule=DEFAULT_SCHEDULE, zb_max_pending=0))
-    zbs = [p for p in plans if p.layout.splits_backward and p.layout == dataclasses.replace(
-        lay, schedule=p.layout.schedule, zb_max_pending=p.layout.zb_max_pending)]
-    if one is None or not zbs:
+    same = [p for p in plans if p.layout == dataclasses.replace(lay, schedule=p.layout.schedule,
+                                                                  zb_max_pending=p.layout.zb_max_pending)]
+    base = next((p for p in same if p.layout.schedule == DEFAULT_SCHEDULE), None)
+    if base is None or len(same) < 2:
         return []
     gib, usable = 2**30, dev.usable_bytes()
-    t1 = one.time
     parts = []
-    for z in sorted(zbs, key=lambda p: p.time["total"]):
-        fits = "" if z.peak_bytes <= usable else ", does not fit"
-        parts.append(f"{z.layout.schedule_name} {z.time['total']:.3f} s ({z.time['total'] / t1['total'] - 1:+.1%}, "
-                     f"bubble {z.time['bubble_fraction']:.1%}, heaviest stage {z.peak_bytes / gib:.1f} GiB{fits})")
-    source = zbs[0].time["zb"]["source"]
-    return [f"- Schedules of this layout: {DEFAULT_SCHEDULE} {t1['total']:.3f} s per step (bubble {t1['bubble_fraction']:.1%}, "
-            f"heaviest stage {one.peak_bytes / gib:.1f} GiB); " + "; ".join(parts)
+    for p in sorted(same, key=lambda p: (p.time["total"], p.peak_bytes)):
+        fits = "" if p.peak_bytes <= usable else ", does not fit"
+        gain = "" if p is base else f", {p.time['total'] / base.time['total'] - 1:+.1%}"
+        parts.append(f"{p.layout.schedule_name} {p.time['total']:.3f} s{gain} (bubble {p.time['bubble_fraction']:.1%}, "
+                     f"heaviest stage {p.peak_bytes / gib:.1f} GiB{fits})")
+    source = base.time["pipeline"]["source"]
+    return [f"- Schedules of this layout (against {DEFAULT_SCHEDULE}): " + "; ".join(parts)
             + f". F, B, W per layer kind: {source}."]
 
 
@@ -126,8 +125,10 @@ def own_row(own, best, dev: Device, budget: tuple[str, float] | None, gpus: int,
 
 LEGEND = ("Layout: ppP·tpT·dpD = P pipeline stages × T-way tensor parallelism × D replicas; m = micro-batches "
           "per step; mb=B×(S+T) = B sentence pairs of S source + T target tokens per micro-batch; acK = recompute "
-          "every K layers (no-ac: none); then the precision; zb-h1(w=N) = the ZB-H1 schedule keeping at most N "
-          "weight passes waiting (-1: no bound), else 1F1B.")
+          "every K layers (no-ac: none); then the precision; then the schedule (parallel.schedule: "
+          + ", ".join(f"{name} = {s.title}" for name, s in SCHEDULES.items() if name != DEFAULT_SCHEDULE)
+          + f"; none named: {SCHEDULES[DEFAULT_SCHEDULE].title}), (w=N) keeping at most N weight passes waiting "
+          "(-1: no bound).")
 """What the layout column of the tables says (Candidate.describe, planner/planner.py), under the table."""
 
 

@@ -1,22 +1,27 @@
-"""ZB-H1 in the planner: each stage's F, B and W from costs per layer kind, the schedule's
-pipeline time, and the order (hence the memory) the engine would run (planner/planner.py's
-`zb_pipeline` applies them to candidates with `schedule: zb-h1`).
+"""Every schedule in the planner, from its order: each stage's F, B and W (or unsplit BW) from
+costs per layer kind, the schedule's pipeline time on its simulated order, and what its order
+holds per stage (in-flight activations, pending weight passes: the memory), for the order the
+engine would run (planner/planner.py's `pipeline_phase` applies them to candidates). The
+zero-bubble schedules' split backward (ZB-H1, ZB-H2) is why the costs come per F, B and W.
 
 Costs per layer kind come from a measurement of this device type (`./run.sh bench schedules
 --measure-costs`, bench/zb_costs.py: per kind F, B, W of the split layer and F, BW of the unsplit
 one, in seconds) committed as a zb-costs.json under docs/bench/, or, where none exists, from the
 FLOP model: F = the forward, W = the matmul weight gradients (`weight_flops`), B = the rest of the
 backward; the output layer all F (its loss computes the gradients of the logits, of the decoder
-stream and of the tied weight in its forward: parallel/loss.py). The planner keeps its 1F1B
-compute time per kind (3 forwards' FLOPs at the kernel efficiency) and splits it in the measured
-proportions F : B : W relative to the unsplit F + BW, so the split's own cost (measured
-(F + B + W) / (F_1f1b + BW)) makes ZB-H1's work longer than 1F1B's.
+stream and of the tied weight in its forward: parallel/loss.py). The planner keeps its compute time
+per kind (3 forwards' FLOPs at the kernel efficiency) and splits it in the measured proportions,
+F : B : W for a schedule that splits its backward and F : BW for one that does not, relative to the
+unsplit F + BW, so the split's own cost (measured (F + B + W) / (F_1f1b + BW)) makes a splitting
+schedule's work longer.
 
-The pipeline: every stage gets the slowest stage's total, split in the stages' mean F : B : W
-(1F1B's formula uses the slowest stage's slot too), on zb_timeline's simulated orders. With equal
-stages a step grows by exactly F + B + W per micro-batch once m ≥ p + 2
-(tests/test_zb_planner.py), so the simulation runs at m = min(m, p + 2) and extrapolates: a
-plan of 128 stages and 1,024 micro-batches costs one simulation of 130.
+The pipeline: every stage gets the slowest stage's total, split in the stages' mean proportions
+(the old 1F1B formula, (m + p − 1) slots, is what the simulation gives 1F1B), on zb_timeline's
+simulated orders. With equal stages a step grows by exactly one micro-batch's work per micro-batch
+once every stage is past its warm-up (m ≥ p + 2 for 1F1B and ZB-H1, 2p + 2 for ZB-H2;
+tests/test_zb_planner.py), so the simulation runs there and extrapolates: a plan of 128 stages
+and 1,024 micro-batches costs one simulation of 130. What the orders hold is read from the chosen
+order at the real m (GPipe holds all m).
 """
 from __future__ import annotations
 
@@ -107,61 +112,111 @@ def measured_costs(device_name: str, d_model: int) -> tuple[dict | None, str]:
 
 
 def kind_shares(costs: dict[str, float]) -> dict[str, float]:
-    """A kind's F, B, W as fractions of its unsplit (1F1B) forward + backward."""
+    """A kind's F, B, W (split) and F_1f1b, BW (unsplit) as fractions of its unsplit forward + backward."""
     total = costs["F_1f1b"] + costs["BW"]
-    return {k: costs[k] / total if total else 0.0 for k in ("F", "B", "W")}
+    return {k: costs[k] / total if total else 0.0 for k in ("F", "B", "W", "F_1f1b", "BW")}
 
 
-def stage_costs(kinds: list[str], kind_costs: dict, seconds: dict[str, float], recompute: bool) -> dict[str, float]:
-    """One stage's F, B, W: each layer's 1F1B seconds (`seconds[kind]`, forward + backward) split in
-    its kind's measured shares; recomputation (activation checkpointing) repeats F inside B."""
-    out = {"F": 0.0, "B": 0.0, "W": 0.0}
+def stage_costs(kinds: list[str], kind_costs: dict, seconds: dict[str, float], recompute: bool,
+                split: bool = True) -> dict[str, float]:
+    """One stage's F, B, W (`split`) or F, BW: each layer's unsplit seconds (`seconds[kind]`,
+    forward + backward) split in its kind's measured shares; recomputation (activation
+    checkpointing) repeats F inside the backward."""
+    out = {"F": 0.0, "B": 0.0, "W": 0.0} if split else {"F": 0.0, "BW": 0.0}
+    names = {"F": "F", "B": "B", "W": "W"} if split else {"F": "F_1f1b", "BW": "BW"}
     for kind in kinds:
         if kind not in kind_costs or not seconds.get(kind):
             continue
         share = kind_shares(kind_costs[kind])
-        for k in out:
-            out[k] += seconds[kind] * share[k]
+        for k, name in names.items():
+            out[k] += seconds[kind] * share[name]
         if recompute and kind in LAYERS:
-            out["B"] += seconds[kind] * share["F"]
+            out["B" if split else "BW"] += seconds[kind] * share[names["F"]]
     return out
 
 
-def extrapolated_span(stages: int, micro_batches: int, f: float, b: float, w: float, bound: int | None) -> tuple:
-    """(makespan, per-stage pending-W peaks, the first stage's deferred share) of the order the
-    engine runs at uniform costs F = f, B = b, W = w: simulated at m_eff = min(m, p + 2)
-    micro-batches (`_schedule`, cached) and extended by F + B + W per further one."""
-    m_eff = min(micro_batches, stages + 2)
-    span, peaks, share = _schedule(stages, m_eff, f, b, w, bound)
-    return span + (micro_batches - m_eff) * (f + b + w), peaks, share
+def order_memory(orders: list[list[tuple[str, int]]], share: float = 1.0) -> dict:
+    """What these orders hold per stage (planner/planner.py `stage_memory`): `held`, the (in-flight,
+    pending W) states that can peak (zb_timeline.held_states); `forwards_first`, whether all
+    forwards precede the first backward; `first_share`, the share of its W the first stage defers."""
+    from parallel.zb_timeline import forwards_first, held_states
+
+    return {"held": [held_states(o) for o in orders], "forwards_first": [forwards_first(o) for o in orders],
+            "first_share": share}
+
+
+def extrapolated_span(schedule: str, stages: int, micro_batches: int, cost: dict[str, float],
+                      bound: int | None) -> tuple[float, dict]:
+    """(makespan, order_memory) of the order the engine runs under `schedule` at uniform costs
+    `cost` (F, B, W or F, BW): a tuning schedule's choice made at min(m, p + 2) micro-batches (within
+    the engine's 0.5% at m: tests/test_zb_planner.py), simulated at m_eff = min(m, `_steady_from`)
+    and extended by one micro-batch's work per further one (cached); the memory of that order at m."""
+    key = tuple(sorted(cost.items()))
+    index = _choice(schedule, stages, min(micro_batches, stages + 2), key, bound)
+    m_eff = min(micro_batches, _steady_from(schedule, stages, bound))
+    span = _span(schedule, stages, m_eff, key, bound, index)
+    return span + (micro_batches - m_eff) * sum(cost.values()), _memory(schedule, stages, micro_batches, bound, index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _steady_from(schedule: str, stages: int, bound: int | None) -> int:
+    """Micro-batches from which each further one adds exactly its work to the span: every stage's
+    warm-up (forwards before its first backward) done and 3 more (1F1B, ZB-H1: p + 2; ZB-H2, whose
+    first stage runs 2p − 1 forwards first: 2p + 2), at most 2p + 2, read from its orders at
+    m = 2p + 2 (tests/test_zb_planner.py checks every registry schedule against full simulations)."""
+    probe = 2 * stages + 2
+    warm = 0
+    for orders, _ in _choices(schedule, stages, probe, bound):
+        for order in orders:
+            kinds = [kind for kind, _ in order]
+            warm = max(warm, next((i for i, k in enumerate(kinds) if k in ("B", "BW")), len(kinds)))
+    return min(warm + 3, probe)
 
 
 @functools.lru_cache(maxsize=4096)
-def _schedule(stages: int, micro_batches: int, f: float, b: float, w: float, bound: int | None) -> tuple:
-    """Makespan, pending-W peaks and first-stage share of the order the engine runs at these
-    costs: with a bound of 0 each W after its own B (the engine does not tune then); otherwise
-    zb_timeline's tuned choice within the bound."""
-    from parallel.zb_timeline import pending_peak, simulate, tuned_schedule_span, zb_h1_order
+def _choice(schedule: str, stages: int, micro_batches: int, cost: tuple, bound: int | None) -> int:
+    """Which of the schedule's candidates the engine runs at these costs (Schedule.choose)."""
+    from parallel.zb_timeline import choose
 
-    p, m = stages, micro_batches
-    cost = {"F": f, "B": b, "W": w}
-    if bound == 0:
-        orders, share = [zb_h1_order(p, m, s, 0) for s in range(p)], 1.0
-        span = max(ops[-1][1] for ops in simulate(p, m, cost, lambda _p, _m, s: orders[s]))
-    else:
-        orders, share, span = tuned_schedule_span(p, m, cost, bound)
-    return span, tuple(pending_peak(o) for o in orders), share
+    choices = _choices(schedule, stages, micro_batches, bound)
+    if all(orders == choices[0][0] for orders, _ in choices):
+        return 0
+    orders, share, _ = choose(choices, micro_batches, dict(cost))
+    return next(i for i, c in enumerate(choices) if c == (orders, share))
 
 
-def pipeline(stages: int, micro_batches: int, per_stage: list[dict[str, float]], bound: int | None) -> dict:
-    """ZB-H1's pipeline phase at these per-stage costs (module docstring): seconds, the idle
-    fraction of the slowest stage, the uniform F, B, W used, each stage's pending-W peak and the
-    share of its W the first stage defers."""
-    total = sum(c["F"] + c["B"] + c["W"] for c in per_stage)
-    slot = max(c["F"] + c["B"] + c["W"] for c in per_stage)
-    mean = {k: sum(c[k] for c in per_stage) / total for k in ("F", "B", "W")}
-    key = tuple(round(mean[k], 3) for k in ("F", "B", "W"))  # the cache's key: equal proportions, one simulation
-    span, peaks, share = extrapolated_span(stages, micro_batches, *key, bound)
-    seconds = span * slot / sum(key)
+@functools.lru_cache(maxsize=4096)
+def _span(schedule: str, stages: int, micro_batches: int, cost: tuple, bound: int | None, index: int) -> float:
+    from parallel.zb_timeline import span_of, with_first_stage_share
+
+    orders, share = _choices(schedule, stages, micro_batches, bound)[index]
+    return span_of(orders, micro_batches, with_first_stage_share(dict(cost), stages, share))
+
+
+@functools.lru_cache(maxsize=1024)
+def _memory(schedule: str, stages: int, micro_batches: int, bound: int | None, index: int) -> dict:
+    return order_memory(*_choices(schedule, stages, micro_batches, bound)[index])
+
+
+@functools.lru_cache(maxsize=256)
+def _choices(schedule: str, stages: int, micro_batches: int, bound: int | None) -> list:
+    """The schedule's candidate orders at this size (Schedule.choices; cached: built once per plan)."""
+    from parallel.schedules import SCHEDULES
+
+    return SCHEDULES[schedule].choices(stages, micro_batches, bound)
+
+
+def pipeline(schedule: str, stages: int, micro_batches: int, per_stage: list[dict[str, float]], bound: int | None) -> dict:
+    """The pipeline phase of `schedule` at these per-stage costs (module docstring): seconds, the
+    idle fraction of the slowest stage, the uniform costs used, and order_memory's `held`,
+    `forwards_first` and `first_share` of the order it runs."""
+    keys = tuple(per_stage[0])
+    work = [sum(c[k] for k in keys) for c in per_stage]
+    slot, total = max(work), sum(work)
+    mean = {k: sum(c[k] for c in per_stage) / total for k in keys}
+    key = {k: round(mean[k], 3) for k in keys}  # the cache's key: equal proportions, one simulation
+    span, memory = extrapolated_span(schedule, stages, micro_batches, key, bound)
+    scale = slot / sum(key.values())
+    seconds = span * scale
     return {"seconds": seconds, "bubble_fraction": 1.0 - micro_batches * slot / seconds if seconds else 0.0,
-            "cost": {k: slot * mean[k] for k in mean}, "pending_peaks": list(peaks), "first_share": share}
+            "cost": {k: slot * mean[k] for k in keys}, **memory}

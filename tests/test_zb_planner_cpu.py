@@ -76,12 +76,11 @@ def test_zb_h1_memory_per_stage_is_the_planners(zb_bench):
     from bench.report import planner_layout
     from planner.devices import cpu_device
     from planner.planner import stage_memory
-    from parallel.zb_timeline import pending_peak
+    from planner.zb import order_memory
 
     cfg, row, result, _ = zb_bench
-    orders = result["ranks"][0]["zb_orders"]
-    share = result["ranks"][0]["zb_share"]
-    ran = {"pending_peaks": [pending_peak([tuple(op) for op in o]) for o in orders], "first_share": share}
+    orders = [[tuple(op) for op in o] for o in result["ranks"][0]["orders"]]
+    ran = order_memory(orders, result["ranks"][0]["share"])
     layout = planner_layout({**LAYOUT}, tuple(row["largest_microbatch"]))
     dev = cpu_device(1e11, 24 * 2**30)
     for stage, measured in enumerate(row["stage_peak_mb"]):
@@ -91,15 +90,15 @@ def test_zb_h1_memory_per_stage_is_the_planners(zb_bench):
 
 def test_zb_h1_bubble_against_1f1b_is_the_planners(zb_bench):
     from bench.report import planner_layout
+    from parallel.zb_timeline import one_f_one_b_order
     from planner.devices import cpu_device
     from planner.planner import step_time
     from planner.zb import pipeline
-    from parallel.zb_timeline import one_f_one_b_order
 
     cfg, row, result, costs = zb_bench
     replay = row["replay_costs"]  # per stage, CPU seconds per micro-batch, as measured in the run
     assert all(c["W"] > 0 for c in replay[1:])
-    orders = [[tuple(op) for op in o] for o in result["ranks"][0]["zb_orders"]]
+    orders = [[tuple(op) for op in o] for o in result["ranks"][0]["orders"]]
     # The run: its orders on its costs, as the bench replayed them (once: the first stage's B already
     # holds the share of its W it computed there), against 1F1B on the same costs.
     zb = row["replay_bubble"]
@@ -113,15 +112,16 @@ def test_zb_h1_bubble_against_1f1b_is_the_planners(zb_bench):
     # The planner's model from the per-kind costs against the same model on the run's stage costs
     # (like with like: see the module doc for why not against the replay's ratio).
     predicted = tz["bubble_fraction"] / t1["bubble_fraction"]
-    ran = pipeline(LAYOUT["pp"], LAYOUT["micro_batches"], _all_w_deferred(replay, result["ranks"][0]["zb_share"]), None)
+    ran = pipeline(LAYOUT["schedule"], LAYOUT["pp"], LAYOUT["micro_batches"],
+                   _all_w_deferred(replay, result["ranks"][0]["share"]), None)
     print(f"\nZB-H1 ÷ 1F1B bubble: planner {predicted:.3f} from the per-kind costs, {ran['bubble_fraction'] / t1['bubble_fraction']:.3f} "
           f"from the run's stage costs; replay of the run {zb / one:.3f} (stages {sum(replay[0][k] for k in 'FBW'):.4f} / "
           f"{sum(replay[1][k] for k in 'FBW'):.4f} s)")
     assert predicted == pytest.approx(ran["bubble_fraction"] / t1["bubble_fraction"], abs=0.1)
     # ZB-H1 shortens the pipeline at its own per-stage F + B + W; whether it also beats 1F1B's total
     # depends on the split's own cost, which this machine's measurement decides (seen 0.86 and 1.06 × 1F1B on two machines)
-    slot = sum(tz["zb"]["cost"].values())
-    assert tz["zb"]["seconds"] < (LAYOUT["micro_batches"] + LAYOUT["pp"] - 1) * slot
+    slot = sum(tz["pipeline"]["cost"].values())
+    assert tz["pipeline"]["seconds"] < (LAYOUT["micro_batches"] + LAYOUT["pp"] - 1) * slot
     # on these costs both the planner and the engine keep a W pending on the first stage
-    assert tz["zb"]["pending_peaks"][0] >= 1
+    assert max(w for _, w in tz["pipeline"]["held"][0]) >= 1
     assert any(kind == "B" and orders[0][i + 1:i + 2] != [("W", j)] for i, (kind, j) in enumerate(orders[0]))

@@ -1,18 +1,26 @@
-"""ZB-H1 pieces in one process: the split backward equals autograd's, the schedule is complete,
-deadlock-free under blocking point-to-point transfers and has ZB-H1's bubble and memory."""
+"""ZB-H1 pieces in one process: the split backward equals autograd's, its orders have ZB-H1's
+bubble and memory, and the config's rules for it (its orders' instruction streams are complete
+and deadlock-free under blocking transfers: tests/test_pipe_schedule.py)."""
 import copy
 
 import pytest
 import torch
-from deepspeed.runtime.pipe import schedule as ds
 
 from model.config import ModelConfig
 from model.layers import padding_mask
 from model.transformer import build_layer
-from parallel.zb_timeline import (filled_order, fixed, one_f_one_b_order, pending_peak,
-                                  schedule_candidates, simulate, tuned_schedule, with_first_stage_share, zb_h1_order)
+from parallel.schedules import SCHEDULES
 from parallel.weight_split import WeightGradStore, split_weight_gradients
-from parallel.zero_bubble import WeightPass, stage_instructions
+from parallel.zb_timeline import (
+    filled_order,
+    fixed,
+    one_f_one_b_order,
+    schedule_candidates,
+    simulate,
+    with_first_stage_share,
+    zb_h1_order,
+)
+from tests.orders import pending_peak, tuned_schedule
 from tests.test_schedules import bubble_fraction
 
 
@@ -147,66 +155,8 @@ def test_backward_outside_a_pass_computes_weight_gradients_at_once():
 
 def test_split_refuses_a_module_it_cannot_split():
     module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Conv1d(2, 2, 1))
-    with pytest.raises(ValueError, match="zb-h1 cannot split.*1.weight"):
+    with pytest.raises(ValueError, match="cannot split the backward of.*1.weight"):
         split_weight_gradients(module, WeightGradStore())
-
-
-GRID = [(p, m) for p in range(1, 6) for m in range(1, 10)]
-
-
-def _run_blocking(p: int, m: int, orders: list | None = None, cost: list | None = None) -> None:
-    """Execute all stages' instruction streams with rendezvous transfers and data dependencies."""
-    streams = [[c for step in stage_instructions(p, m, s, orders, cost) for c in step] for s in range(p)]
-    pos = [0] * p
-    state = [{"F": set(), "B": set(), "W": set(), "act": set(), "grad": set()} for _ in range(p)]
-    while any(pos[s] < len(streams[s]) for s in range(p)):
-        moved = False
-        for s in range(p):
-            if pos[s] == len(streams[s]):
-                continue
-            cmd, st = streams[s][pos[s]], state[s]
-            j = getattr(cmd, "buffer_id", None)
-            if isinstance(cmd, ds.ForwardPass):
-                assert s == 0 or j in st["act"]
-                st["F"].add(j)
-            elif isinstance(cmd, ds.BackwardPass):
-                assert j in st["F"] and (s == p - 1 or j in st["grad"])
-                st["B"].add(j)
-            elif isinstance(cmd, WeightPass):
-                assert j in st["B"]
-                st["W"].add(j)
-            elif isinstance(cmd, (ds.SendActivation, ds.SendGrad)):
-                peer = s + 1 if isinstance(cmd, ds.SendActivation) else s - 1
-                want = ds.RecvActivation if isinstance(cmd, ds.SendActivation) else ds.RecvGrad
-                other = streams[peer][pos[peer]] if pos[peer] < len(streams[peer]) else None
-                if not (isinstance(other, want) and other.buffer_id == j):
-                    continue  # blocked until the peer reaches the matching receive
-                assert j in st["F" if want is ds.RecvActivation else "B"]
-                state[peer]["act" if want is ds.RecvActivation else "grad"].add(j)
-                pos[peer] += 1
-            elif isinstance(cmd, (ds.RecvActivation, ds.RecvGrad)):
-                continue  # completed by the matching send
-            elif isinstance(cmd, (ds.ReduceTiedGrads, ds.ReduceGrads, ds.OptimizerStep)):
-                assert st["W"] == set(range(m))  # every W before the reductions
-            pos[s] += 1
-            moved = True
-        assert moved, f"deadlock at pp={p}, m={m}: positions {pos}"
-    for st in state:
-        assert st["F"] == st["B"] == st["W"] == set(range(m))
-
-
-@pytest.mark.parametrize("p,m", GRID)
-@pytest.mark.parametrize("max_pending", [None, 0])
-def test_schedule_completes_without_deadlock_under_blocking_transfers(p, m, max_pending):
-    _run_blocking(p, m, [zb_h1_order(p, m, s, max_pending) for s in range(p)])
-
-
-@pytest.mark.parametrize("p,m", GRID)
-def test_filled_order_completes_without_deadlock_at_its_tuned_costs(p, m):
-    """The filled order placed on the timeline of costs it was chosen at (W cheap, the stages
-    unequal), as the engine does after tuning."""
-    cost = [{"F": 1.0 + 0.1 * s, "B": 1.1, "W": 0.4} for s in range(p)]
-    _run_blocking(p, m, [filled_order(p, m, s) for s in range(p)], cost)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p in range(2, 7) for m in (p, 2 * p)])
@@ -239,12 +189,12 @@ def test_zb_h1_bubble_and_memory_with_equal_f_b_w(p, m):
             peak = max(peak, in_flight)
         assert peak <= p  # 1F1B's first-stage activation count
     unit = {"F": 1.0, "B": 1.0, "W": 1.0}
-    assert bubble_fraction(p, m, unit) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble_fraction(p, m, unit, "zb-h1") == pytest.approx((p - 1) / (3 * m + p - 1))
     assert bubble_fraction(p, m, unit, "1f1b") == pytest.approx((p - 1) / (m + p - 1))
 
 
 @pytest.mark.parametrize("parallel,train,message", [
-    ({"schedule": "zb"}, {}, "parallel.schedule='zb': must be one of 1f1b, zb-h1"),
+    ({"schedule": "zb"}, {}, f"parallel.schedule='zb': must be one of {', '.join(SCHEDULES)}"),
     ({"schedule": "zb-h1"}, {"instrument_interval": 5}, "instrument_interval > 0"),
     ({"zb_max_pending_w": 2}, {}, "parallel.zb_max_pending_w=2 applies to parallel.schedule: zb-h1 only"),
     ({"schedule": "zb-h1", "zb_max_pending_w": -2}, {}, "parallel.zb_max_pending_w"),

@@ -61,7 +61,7 @@ def _close_params(got: dict, want: dict, atol: float = 1e-6) -> None:
 
 def test_zb_h1_runs_on_the_zero_bubble_engine_with_changing_shapes(zb_run):
     _, result, _, _ = zb_run
-    assert result["zb"]["engine"] == "ZeroBubbleEngine"
+    assert result["zb"]["engine"] == "ScheduleEngine" and result["zb"]["schedule"] == "zb-h1"
     shapes = result["zb"]["shapes"]
     assert len({tuple(map(tuple, micro)) for step in shapes for micro in step}) > 3
     assert any(len({tuple(x[0]) for x in step}) > 1 for step in shapes)  # within one step
@@ -101,7 +101,7 @@ def test_zb_h1_with_dropout_and_checkpointing_equals_1f1b(zb_run):
     ref = refs["deepnorm"]
     if "zb_drop" not in result:
         pytest.skip("dropout is compared at tp=1")
-    assert result["1f1b_drop"]["engine"] == "TrainerEngine"  # DeepSpeed's PipelineEngine (parallel/engine.py), 1F1B
+    assert result["1f1b_drop"]["schedule"] == "1f1b"
     base = result["1f1b_drop"]
     for name in ("zb_drop", "zb_filled_drop"):  # W right after B; the first stage deferring W too
         zb = result[name]
@@ -119,21 +119,22 @@ def test_zb_h1_tunes_its_order_and_runs_the_filled_one(zb_run):
     """zb_auto measured F, B and W on every stage in step 2 (the same costs on every rank); zb_filled
     ran the filled order its given costs choose: at pp = 2 the lean one with the first stage
     deferring 1/8 of its W, at pp = 3 the full one (one more pending W per stage than the paper's)."""
-    from parallel.zb_timeline import filled_order, pending_peak, tuned_schedule
+    from parallel.zb_timeline import filled_order
+    from tests.orders import pending_peak, tuned_schedule
     from tests.dist.zero_bubble_worker import FILLED_COSTS
 
     pp, result, _, _ = zb_run
     if "zb_filled" not in result:
         pytest.skip("run at tp=1")
     auto = result["zb_auto"]
-    assert len(auto["zb_cost"]) == pp and all(c["F"] > 0 and c["B"] > 0 and c["W"] > 0 for c in auto["zb_cost"])
-    orders, share = tuned_schedule(pp, 4, auto["zb_cost"])
-    assert [list(map(tuple, o)) for o in auto["zb_orders"]] == orders and auto["zb_share"] == share
+    assert len(auto["measured_costs"]) == pp and all(c["F"] > 0 and c["B"] > 0 and c["W"] > 0 for c in auto["measured_costs"])
+    orders, share = tuned_schedule(pp, 4, auto["measured_costs"])
+    assert [list(map(tuple, o)) for o in auto["orders"]] == orders and auto["share"] == share
     filled = result["zb_filled"]
-    assert [list(map(tuple, o)) for o in filled["zb_orders"]] == [filled_order(pp, 4, s, lean=pp == 2) for s in range(pp)]
-    assert filled["zb_share"] == (0.125 if pp == 2 else 1.0)
+    assert [list(map(tuple, o)) for o in filled["orders"]] == [filled_order(pp, 4, s, lean=pp == 2) for s in range(pp)]
+    assert filled["share"] == (0.125 if pp == 2 else 1.0)
     assert tuned_schedule(pp, 4, FILLED_COSTS[pp]) == ([filled_order(pp, 4, s, lean=pp == 2) for s in range(pp)],
-                                                       filled["zb_share"])
+                                                       filled["share"])
     assert pending_peak(filled_order(pp, 4, 0, lean=pp == 2)) == 1  # the first stage defers
 
 
@@ -149,14 +150,14 @@ def test_zb_h1_in_bf16_and_fp16_equals_1f1b_bit_for_bit(zb_run, precision):
     if precision == "fp16" and fp16_unsupported():
         pytest.skip(fp16_unsupported())
     base = result[f"1f1b_{precision}"]
-    assert base["engine"] == "TrainerEngine" and base["precision"] == precision and base["skipped_steps"] == 0
+    assert base["schedule"] == "1f1b" and base["precision"] == precision and base["skipped_steps"] == 0
     assert base["grad_norm"][0] > 0.05  # clipped
     # the precision ran: its losses are not fp32's
     assert base["loss"][-1] != pytest.approx(refs["deepnorm"]["loss"][-1], rel=1e-6)
     names = [f"zb_{precision}"] + ([f"zb_filled_{precision}"] if f"zb_filled_{precision}" in result else [])
     for name in names:
         zb = result[name]
-        assert zb["engine"] == "ZeroBubbleEngine" and zb["precision"] == precision
+        assert zb["schedule"] == "zb-h1" and zb["precision"] == precision
         assert zb["loss"] == base["loss"] and zb["grad_norm"] == base["grad_norm"]
         want = params[f"1f1b_{precision}"]
         assert set(params[name]) == set(want)
@@ -165,4 +166,4 @@ def test_zb_h1_in_bf16_and_fp16_equals_1f1b_bit_for_bit(zb_run, precision):
             assert torch.equal(params[name][key], value), f"{name}: {key}"
     if "zb_filled_bf16" in result:
         filled = result["zb_filled_bf16"]
-        assert filled["zb_share"] == (0.125 if pp == 2 else 1.0) and filled["max_pending_w"] is None
+        assert filled["share"] == (0.125 if pp == 2 else 1.0) and filled["max_pending_w"] is None

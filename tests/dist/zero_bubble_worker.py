@@ -46,16 +46,17 @@ def run(cfg, name: str, steps: int, out: str) -> dict:
     fresh_run_dir(cfg.run_dir, data_dir)
     trainer = Trainer(cfg, max_steps=steps)
     if name.startswith("zb_filled"):
-        trainer.engine.zb_cost = FILLED_COSTS[trainer.engine.num_stages]
+        trainer.engine.measured_costs = FILLED_COSTS[trainer.engine.num_stages]
         trainer.engine.tune_step = 0
     result = record_steps(trainer, steps, None)
     result["engine"] = type(trainer.engine).__name__
     result["precision"] = cfg.parallel.precision
     result["skipped_steps"] = int(getattr(trainer.engine, "skipped_steps", 0))  # fp16 overflows
-    result["max_pending_w"] = getattr(trainer.engine, "max_pending_w", "1f1b")  # from parallel.zb_max_pending_w
-    result["zb_orders"] = getattr(trainer.engine, "zb_orders", None)
-    result["zb_cost"] = getattr(trainer.engine, "zb_cost", None)
-    result["zb_share"] = getattr(trainer.engine, "zb_share", None)
+    result["max_pending_w"] = trainer.engine.max_pending_w  # from parallel.zb_max_pending_w
+    result["schedule"] = trainer.engine.schedule.name
+    result["orders"] = trainer.engine.orders
+    result["measured_costs"] = trainer.engine.measured_costs
+    result["share"] = trainer.engine.deferred_share
     dump_params(trainer, f"{out}.{name}")
     return result
 
