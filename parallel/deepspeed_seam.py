@@ -8,7 +8,8 @@ upgrade can change any of it without notice. So each name is listed here with a 
 installed source it was written against (DeepSpeed `VERSION`); tests/test_deepspeed_seam.py fails,
 naming the method, when the installed DeepSpeed's source of any of them differs, and when the code
 uses a DeepSpeed name this list lacks. An upgrade is then a decision: read what changed, adapt
-the project, and refresh the digests (`python -m parallel.deepspeed_seam` prints the table).
+the project, and refresh the digests (`python -m parallel.deepspeed_seam` prints what differs and
+the table).
 
 A digest covers a method's or function's source; for an attribute (one DeepSpeed sets on its
 objects, or a module global), the source lines of DeepSpeed's module that mention it.
@@ -247,5 +248,6 @@ def table(seams: list[Seam]) -> str:
                      f"{'' if s.scanned else ', scanned=False'})," for s in sorted(seams, key=lambda s: s.name))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # review an upgrade: what differs, then the table with the installed digests
+    print("\n".join(drifted()) or f"every listed source is the one reviewed for DeepSpeed {VERSION}")
     print(table(list(SEAMS)))
