@@ -101,7 +101,47 @@ def check_resume(cfg: RunConfig, where: str) -> dict | None:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
                           f"({'; '.join(diffs)}); {refusal_hint(diffs, shown_path(cfg.run_dir))}")
     check_resume_data(cfg, saved, where)
+    keep_global_batch(cfg, where)
     return saved
+
+
+def keep_global_batch(cfg: RunConfig, where: str) -> None:
+    """train.micro_batches for the config's data_parallel, keeping the micro-batches per step of
+    the run's newest checkpoint (checkpoint/elastic.py `kept_micro_batches`): set in `cfg` and
+    said in one line, or refused naming the sizes that would keep them."""
+    from checkpoint import elastic, manifest
+
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    tags = manifest.committed_tags(ckpt_dir)
+    if not tags:
+        return
+    t = cfg.train
+    t.micro_batches, line = elastic.kept_micro_batches(cfg.parallel.data_parallel, t.micro_batches, t.keep_global_batch,
+                                                       elastic.recorded(ckpt_dir, tags[0]), int(tags[0][4:]), where)
+    if line:
+        print(line, flush=True)
+
+
+def reshard(cfg: RunConfig, where: str):
+    """Holding the run lock, before any rank starts: the universal copy of the newest checkpoint
+    when it was written at another layout (checkpoint/elastic.py `prepare`), said on the console and
+    in train.log; None when the ranks resume (or start) as they are."""
+    from checkpoint import elastic
+    from trainer.progress import append_log
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        append_log(cfg.run_dir, line)
+
+    p = cfg.parallel
+    target = (p.pipeline_stages, p.tensor_parallel, p.data_parallel)
+    try:
+        done = elastic.prepare(cfg.run_dir, target, log=say)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: cannot resume {cfg.run_dir} at {elastic.shown(target)}: {e}") from None
+    if done is not None:
+        say(done.line())
+    return done
 
 
 def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:
