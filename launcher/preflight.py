@@ -87,10 +87,12 @@ def check_run_dir(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}: run_dir: {sub} exists and is not a folder; move it away")
 
 
-def check_resume(cfg: RunConfig, where: str) -> dict | None:
-    """An existing run directory is resumed: refuse a config whose model or layout differs from
-    the one its checkpoints were trained with (`saved_run_config`), naming the keys (the keys
-    trainer/run_dir.py's RESUME_RULES fixes). Returns the recorded config (None for a new run)."""
+def check_resume(cfg: RunConfig, where: str, batch: bool = True) -> dict | None:
+    """An existing run directory is resumed: refuse a config whose model differs from the one its
+    checkpoints were trained with (`saved_run_config`), naming the keys (the keys
+    trainer/run_dir.py's RESUME_RULES fixes), and (`batch`) set train.micro_batches to keep the
+    run's global batch at the config's data_parallel (`keep_global_batch`). Returns the recorded
+    config (None for a new run)."""
     from launcher.options import shown_path
 
     saved = saved_run_config(cfg.run_dir, restore=False)  # the ranks restore it, holding the run lock
@@ -101,7 +103,8 @@ def check_resume(cfg: RunConfig, where: str) -> dict | None:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
                           f"({'; '.join(diffs)}); {refusal_hint(diffs, shown_path(cfg.run_dir))}")
     check_resume_data(cfg, saved, where)
-    keep_global_batch(cfg, where)
+    if batch:
+        keep_global_batch(cfg, where)
     return saved
 
 
