@@ -131,8 +131,12 @@ def render_sbatch(spec: JobSpec) -> str:
              else spec.nodes * spec.tasks_per_node)
     logs = os.path.join(spec.run_dir, "slurm", "logs")
     options = [(f"--job-name={spec.name}", ""),
-               (f"--nodes={count}", "any count in the range: each start chooses its layout" if elastic else ""),
-               (f"--ntasks-per-node={spec.tasks_per_node}", "one rank per GPU" if gpu else "ranks per node")]
+               (f"--nodes={count}", "any count in the range: each start chooses its layout" if elastic else "")]
+    if elastic:  # with a task count SLURM (22.05) gives a node range its minimum; the steps set theirs
+        options.append((f"--mincpus={spec.tasks_per_node * (spec.cpus_per_task or 1)}",
+                        f"per node: {spec.tasks_per_node} rank(s) × {spec.cpus_per_task or 1} CPU(s)"))
+    else:
+        options.append((f"--ntasks-per-node={spec.tasks_per_node}", "one rank per GPU" if gpu else "ranks per node"))
     if gpu:
         options.append((f"--gpus-per-node={spec.gpus_per_node}", ""))
     if spec.cpus_per_task:

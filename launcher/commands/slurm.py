@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--cluster", help="one of the config's clusters: layouts (sets the layout, "
                                           "--nodes and --gpus-per-node)")
-    parser.add_argument("--nodes", type=node_range, metavar="N|MIN-MAX",
+    parser.add_argument("--nodes", metavar="N|MIN-MAX",
                         help="nodes of the job; MIN-MAX: an elastic job that SLURM may start on any count in the "
                              "range, each start (a requeue too) choosing the layout for the nodes it got")
     parser.add_argument("--fixed", metavar="KEYS",
@@ -55,21 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def node_range(text: str) -> tuple[int, int]:
-    """--nodes N or MIN-MAX → (min, max)."""
+    """--nodes N or MIN-MAX → (min, max); ConfigError naming the flag for anything else."""
     low, _, high = text.partition("-")
     try:
         nodes = (int(low), int(high or low))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a node count N or a range MIN-MAX, e.g. 8-16") from None
+        raise ConfigError(f"--nodes {text!r}: give a node count N or a range MIN-MAX, e.g. 8-16") from None
     if not 1 <= nodes[0] <= nodes[1]:
-        raise argparse.ArgumentTypeError(f"{text!r}: nodes must be >= 1, MIN <= MAX")
+        raise ConfigError(f"--nodes {text!r}: nodes must be >= 1, MIN <= MAX")
     return nodes
 
 
 def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[tuple[int, int], int, int]:
     """((min, max) nodes, gpus_per_node, tasks_per_node), checked against the config's pp × tp × dp
     (an elastic job: against every node count of its range, launcher/elastic.py's choice)."""
-    nodes = args.nodes if args.nodes is not None else ((cluster.nodes,) * 2 if cluster else None)
+    nodes = node_range(args.nodes) if args.nodes is not None else ((cluster.nodes,) * 2 if cluster else None)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else (cluster.gpus_per_node if cluster else None)
     if nodes is None or gpus is None:
         raise ConfigError("give --nodes and --gpus-per-node (0 for CPU nodes), or --cluster NAME of "
@@ -157,7 +157,7 @@ def _command_line(args: argparse.Namespace) -> str:
     """The ./run.sh command with the flags that were given, for the script's header."""
     words = ["./run.sh", "slurm", args.config]
     if args.nodes is not None:
-        words += ["--nodes", "-".join(map(str, dict.fromkeys(args.nodes)))]
+        words += ["--nodes", args.nodes]
     for flag in ("cluster", "fixed", "gpu", "gpus_per_node", "tasks_per_node", "cpus_per_task", "partition",
                  "time", "account", "signal_before", "run_dir", "name"):
         value = getattr(args, flag)
