@@ -116,8 +116,8 @@ def inject_d(env: dict, job: str, run_dir: str, out: dict) -> None:
     out[1] = {"pid": beat["pid"], "node": beat["node"], "seconds": ended - fault}
 
 
-ELASTIC = {"max_steps": 60, "micro_batches": 2, "save_interval": 1000, "valid_interval": 1000}
-"""Job E: slurm-tiny's model and data, 2 micro-batches per step, 60 steps, no checkpoint but those
+ELASTIC = {"max_steps": 40, "micro_batches": 2, "save_interval": 1000, "valid_interval": 1000}
+"""Job E: slurm-tiny's model and data, 2 micro-batches per step, 40 steps, no checkpoint but those
 its requeues take."""
 
 

@@ -99,7 +99,15 @@ class Checkpointer:
         damaged = []
         for tag in tags:
             tag_dir = os.path.join(self.ckpt_dir, tag)
-            folder, universal = self.source_of(tag)
+            found = self.source_of(tag)
+            if found is None:  # written at another layout, and no copy: the launch's start makes it
+                if damaged:  # (so that the next start, finding this one the newest, converts it)
+                    self.set_aside(damaged)
+                self.stop_together(f"error: {tag_dir} was written at {elastic.shown(self.written(tag))} and this launch "
+                                   f"runs {elastic.shown(self.mine())}, but its universal copy "
+                                   f"{elastic.copy_dir(self.ckpt_dir, tag)} is not there: start the run with ./run.sh "
+                                   "train (or its SLURM job), which makes it before the ranks start")
+            folder, universal = found
             problems = manifest.verify(folder)
             if not problems:
                 path, client = self._load(os.path.basename(folder), universal)
@@ -132,22 +140,21 @@ class Checkpointer:
         self.stop_together(f"error: no intact checkpoint in {self.ckpt_dir} (checked: {listed}); "
                            "restore one, or train afresh in another run_dir (or after removing checkpoints/)")
 
-    def source_of(self, tag: str) -> tuple[str, bool]:
+    def mine(self) -> tuple[int, int, int]:
+        return self.layout.pp, self.layout.tp, self.layout.dp
+
+    def written(self, tag: str) -> tuple[int, int, int]:
+        """The layout the committed checkpoint `tag` was written at."""
+        return elastic.layout_of(elastic.recorded(self.ckpt_dir, tag))
+
+    def source_of(self, tag: str) -> tuple[str, bool] | None:
         """(folder to load, whether it is a universal checkpoint) for the committed checkpoint `tag`:
         itself when it was written at this launch's layout, else its universal copy, which the
-        launch's start made before the ranks (checkpoint/elastic.py); the ranks stop together
-        when there is none."""
-        mine = (self.layout.pp, self.layout.tp, self.layout.dp)
-        written = elastic.layout_of(elastic.recorded(self.ckpt_dir, tag))
-        if written == mine:
+        launch's start made before the ranks (checkpoint/elastic.py); None when there is none."""
+        if self.written(tag) == self.mine():
             return os.path.join(self.ckpt_dir, tag), False
         copy = elastic.committed_copy(self.ckpt_dir, tag)
-        if copy is None:
-            self.stop_together(f"error: {os.path.join(self.ckpt_dir, tag)} was written at {elastic.shown(written)} and "
-                               f"this launch runs {elastic.shown(mine)}, but its universal copy "
-                               f"{elastic.copy_dir(self.ckpt_dir, tag)} is not there: start the run with ./run.sh train "
-                               "(or its SLURM job), which makes it before the ranks start")
-        return copy, True
+        return None if copy is None else (copy, True)
 
     def _load(self, tag: str | None, universal: bool = False):
         """DeepSpeed's load_checkpoint of `tag` (None: what `latest_universal` names), as a universal
@@ -225,7 +232,7 @@ class Checkpointer:
             record = manifest.read(tag_dir) or {}
             source = record.get("layout")
             self.resharded = {"step": client["step"], "from": elastic.shown(tuple(source)) if source else None,
-                              "to": elastic.shown((self.layout.pp, self.layout.tp, self.layout.dp)),
+                              "to": elastic.shown(self.mine()),
                               "seconds": record.get("seconds"), "copy": os.path.basename(tag_dir)}
         self.apply_optimizer_config()
 
