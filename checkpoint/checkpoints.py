@@ -309,8 +309,10 @@ def to_universal(tag_dir: str, out_dir: str) -> float:
     needs_zero_shards(tag_dir)
     work = f"{out_dir}.{os.getpid()}.tmp"
     shutil.rmtree(work, ignore_errors=True)
+    # Workers: one per core up to 8 (each extracts one ZeRO shard file, or merges one parameter, in memory)
+    workers = str(max(2, min(8, len(os.sched_getaffinity(0)))))
     cmd = [sys.executable, "-m", "checkpoint.to_universal", "--input_folder", tag_dir, "--output_folder", work,
-           "--inject_missing_state", "--num_extract_workers", "2", "--num_merge_workers", "2"]
+           "--inject_missing_state", "--num_extract_workers", workers, "--num_merge_workers", workers]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}

@@ -111,11 +111,14 @@ def start(args: argparse.Namespace) -> int:
     world = args.nodes * args.tasks_per_node
     if args.elastic:
         print(choose_layout(cfg, args.nodes, args.tasks_per_node, args.gpu, fixed_keys(args.fixed), where), flush=True)
-    elif cfg.world_size != world:
+    else:
         p = cfg.parallel
-        raise ConfigError(f"{where}: pipeline_stages × tensor_parallel × data_parallel = {p.pipeline_stages} × "
-                          f"{p.tensor_parallel} × {p.data_parallel} = {cfg.world_size} ranks, but this job has "
-                          f"{args.nodes} node(s) × {args.tasks_per_node} = {world}")
+        if cfg.world_size != world:
+            raise ConfigError(f"{where}: pipeline_stages × tensor_parallel × data_parallel = {p.pipeline_stages} × "
+                              f"{p.tensor_parallel} × {p.data_parallel} = {cfg.world_size} ranks, but this job has "
+                              f"{args.nodes} node(s) × {args.tasks_per_node} = {world}")
+        print(f"layout for {args.nodes} node(s) × {args.tasks_per_node} rank(s): pp{p.pipeline_stages}·"
+              f"tp{p.tensor_parallel}·dp{p.data_parallel}, the config's", flush=True)
     try:
         lock = RunLock(cfg.run_dir).acquire()
     except RunDirBusy as e:
