@@ -98,22 +98,28 @@ def committed_copy(ckpt_dir: str, tag: str) -> str | None:
     return folder
 
 
-def drop_copies(ckpt_dir: str, keep: str | None = None, below: int | None = None) -> list[str]:
-    """Remove the universal copies (but `keep`'s; with `below`, only those of earlier steps) and the
-    remains of conversions that never finished; the folders removed."""
-    removed = []
+def copies(ckpt_dir: str, keep: str | None = None, below: int | None = None) -> list[str]:
+    """The universal copies in `ckpt_dir` (but `keep`'s; with `below`, only those of earlier steps)
+    and the remains of conversions that never finished (`.tmp`)."""
     try:
         names = os.listdir(ckpt_dir)
     except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(COPY_PREFIX):
-            continue
+        return []
+    found = []
+    for name in sorted(names):
         source = name[len(COPY_PREFIX):].split(".")[0]
-        if name.endswith(".tmp") or (source != keep and source.startswith("step") and source[4:].isdigit()
-                                     and (below is None or int(source[4:]) < below)):
-            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
-            removed.append(name)
+        if name.startswith(COPY_PREFIX) and (name.endswith(".tmp") or (
+                source != keep and source.startswith("step") and source[4:].isdigit()
+                and (below is None or int(source[4:]) < below))):
+            found.append(name)
+    return found
+
+
+def drop_copies(ckpt_dir: str, keep: str | None = None, below: int | None = None) -> list[str]:
+    """Remove `copies(ckpt_dir, keep, below)`; the folders removed."""
+    removed = copies(ckpt_dir, keep, below)
+    for name in removed:
+        shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
     return removed
 
 

@@ -1,7 +1,8 @@
 """A run resumed in place at another pp × tp × dp layout (checkpoint/elastic.py).
 
-1. tests/dist/elastic_worker.py (one launch of 2 ranks): fp32 pp2·tp1·dp1 → pp1·tp1·dp2 → pp1·tp2·dp1
-   → pp2·tp1·dp1 and bf16 pp2 → tp2 (fp16 too where the CPU takes it), each resumed in place and
+1. tests/dist/elastic_worker.py (a launch of 2 ranks, one of 4): fp32 pp2·tp1·dp1 → pp1·tp1·dp2 →
+   pp1·tp2·dp1 → pp2·tp1·dp1, bf16 pp2 → tp2 (fp16 too where the CPU takes it), and on 4 ranks
+   pp1·tp2·dp2 → pp1·tp4·dp1 → pp2·tp1·dp2, each resumed in place and (but on 4 ranks)
    through `./run.sh convert reshard`: the same losses bit for bit; the uninterrupted run's
    batches, learning rates and (fp32) losses within rounding; the global batch, Adam's step and
    the weights kept.
@@ -37,24 +38,39 @@ def resumed(tiny_data, tmp_path_factory):
                       ["--config", config, "--precisions", precisions])
 
 
-def _precision(resumed, precision: str) -> dict:
-    if precision not in resumed:
+@pytest.fixture(scope="module")
+def resumed4(tiny_data, tmp_path_factory):
+    """4 ranks: pp1·tp2·dp2 → pp1·tp4·dp1 → pp2·tp1·dp2 (fp32)."""
+    work = tmp_path_factory.mktemp("elastic4")
+    config = write_run_config(str(work / "run.yaml"), str(work / "run"), tiny_data, **CONFIG)
+    return run_worker(4, "tests.dist.elastic_worker", str(work / "result.json"),
+                      ["--config", config, "--precisions", "tp4"])
+
+
+RUNS = ["fp32", "bf16", "fp16", "tp4"]
+
+
+def _run(request, name: str) -> dict:
+    if name == "tp4":
+        return request.getfixturevalue("resumed4")["tp4"]
+    resumed = request.getfixturevalue("resumed")
+    if name not in resumed:
         pytest.skip(fp16_unsupported())
-    return resumed[precision]
+    return resumed[name]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_in_place_equals_convert_reshard_bit_for_bit(resumed, precision):
-    for t in _precision(resumed, precision)["transitions"]:
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16"])
+def test_in_place_equals_convert_reshard_bit_for_bit(request, name):
+    for t in _run(request, name)["transitions"]:
         assert t["inplace"] == t["manual"], t["layout"]  # losses, clipped norms, lrs, batches
         assert t["inplace_state"] == {**t["manual_state"], "resharded": t["inplace_state"]["resharded"]}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_in_place_continues_the_uninterrupted_run(resumed, precision):
+@pytest.mark.parametrize("name", RUNS)
+def test_in_place_continues_the_uninterrupted_run(request, name):
     """The same micro-batches at every step (the data stream continues exactly: no example skipped
     or seen twice), the same learning rates, and in fp32 the same losses within rounding."""
-    run = _precision(resumed, precision)
+    run = _run(request, name)
     whole, seg = run["uninterrupted"], 3
     got = {key: whole[key][:seg] for key in whole}
     for t in run["transitions"]:
@@ -62,20 +78,22 @@ def test_in_place_continues_the_uninterrupted_run(resumed, precision):
             got[key] += t["inplace"][key]
     assert got["batches"] == whole["batches"] and len(set(got["batches"])) == len(got["batches"])
     assert got["lr"] == whole["lr"]
-    if precision == "fp32":
+    if name in ("fp32", "tp4"):
         assert got["loss"] == pytest.approx(whole["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-4)
     assert got["loss"][-1] < got["loss"][0]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_each_resume_keeps_step_batch_optimizer_and_weights(resumed, precision):
-    layouts = [[2, 1, 1]] + [t["layout"] for t in _precision(resumed, precision)["transitions"]]
-    for i, t in enumerate(_precision(resumed, precision)["transitions"], start=1):
+@pytest.mark.parametrize("name", RUNS)
+def test_each_resume_keeps_step_batch_optimizer_and_weights(request, name):
+    run = _run(request, name)
+    layouts = [run["first_layout"]] + [t["layout"] for t in run["transitions"]]
+    per_step = 2 * layouts[0][2]  # the config's 2 micro-batches per replica at the first layout
+    for i, t in enumerate(run["transitions"], start=1):
         state, prepared = t["inplace_state"], t["prepared"]
         shown = "pp{}·tp{}·dp{}".format
         assert state["step"] == 3 * i and state["adam_steps"] == [3 * i]
-        assert state["layout"] == t["layout"] and state["micro_batches"] * t["layout"][2] == 2  # dp × m kept
+        assert state["layout"] == t["layout"] and state["micro_batches"] * t["layout"][2] == per_step  # kept
         assert prepared["made"] and prepared["same_weights"] and prepared["step"] == 3 * i
         assert (prepared["from"], prepared["to"]) == (shown(*layouts[i - 1]), shown(*layouts[i]))
         assert state["resharded"] == {"step": 3 * i, "from": prepared["from"], "to": prepared["to"],

@@ -380,6 +380,7 @@ class Checkpointer:
             removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
             removable += [t for t in manifest.uncommitted_tags(self.ckpt_dir)
                           if int(t[4:]) < step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
+            removable += elastic.copies(self.ckpt_dir, below=step)  # (loaded already; dropped after this save)
         freed = sum(_tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
         need, free, freed = _agreed_room(need, self.ckpt_dir, self.layout.device, freed)
         if not need or free >= need * ROOM_MARGIN:

@@ -2,16 +2,17 @@
 (checkpoint/elastic.py) against the manual `./run.sh convert reshard` path and an uninterrupted run.
 
 For each precision of `--precisions` (fp32: pp2·tp1·dp1 → pp1·tp1·dp2 → pp1·tp2·dp1 → pp2·tp1·dp1;
-bf16 and fp16: pp2·tp1·dp1 → pp1·tp2·dp1):
+bf16 and fp16: pp2·tp1·dp1 → pp1·tp2·dp1; tp4, fp32 on 4 ranks: pp1·tp2·dp2 → pp1·tp4·dp1 →
+pp2·tp1·dp2):
 
-1. The config's layout (pp = 2, 2 micro-batches) trains `--steps` steps without a break, its
+1. The first layout (2 micro-batches per step) trains `--steps` steps without a break, its
    checkpoint after SEG steps kept: the uninterrupted run.
 2. Each transition: rank 0 prepares the run directory for the next layout as `./run.sh train`
    does before its ranks start (`prepare`: the universal copy of the newest checkpoint), and both
    ranks resume it with the real Trainer at that layout, from a config whose train.micro_batches
    is still the first layout's (the Trainer keeps the global batch); SEG steps, then a checkpoint.
    The same checkpoint resharded by `./run.sh convert reshard` into a new run directory and
-   resumed there trains the same SEG steps.
+   resumed there trains the same SEG steps (not for tp4).
 Per step: the loss, the clipped gradient norm, the learning rate and a digest of the step's
 micro-batches (their token ids); per resume: the step, the micro-batches per replica, Adam's step
 count, the trainer's `resharded` record, and whether the consolidated universal copy holds
@@ -37,7 +38,8 @@ from trainer.trainer import Trainer
 
 SEG = 3
 LAYOUTS = {"fp32": [(2, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)], "bf16": [(2, 1, 1), (1, 2, 1)],
-           "fp16": [(2, 1, 1), (1, 2, 1)]}
+           "fp16": [(2, 1, 1), (1, 2, 1)], "tp4": [(1, 2, 2), (1, 4, 1), (2, 1, 2)]}
+"""The layouts each run goes through, by precision (tp4: fp32 on 4 ranks, tp 2 → 4 → 1)."""
 
 
 def steps(trainer: Trainer, until: int, save: bool) -> dict:
@@ -90,8 +92,9 @@ def same_weights(universal: str, source: str, precision: str) -> bool:
 
 def run(cfg, precision: str, total: int) -> dict:
     rank = torch.distributed.get_rank()
-    cfg = copy.deepcopy(cfg)
-    cfg.parallel.precision = precision
+    layouts = LAYOUTS[precision]
+    cfg = laid_out(cfg, layouts[0])
+    cfg.parallel.precision = "fp32" if precision == "tp4" else precision
     data = os.path.realpath(os.path.join(cfg.run_dir, "data"))
     cfg.run_dir = f"{cfg.run_dir}-{precision}"
     base = cfg.run_dir
@@ -99,9 +102,8 @@ def run(cfg, precision: str, total: int) -> dict:
         os.makedirs(base)
         os.symlink(data, os.path.join(base, "data"))
     torch.distributed.barrier()
-    layouts = LAYOUTS[precision]
     first = Trainer(cfg, max_steps=total)
-    out = {"uninterrupted": steps(first, SEG, save=True), "transitions": []}
+    out = {"uninterrupted": steps(first, SEG, save=True), "transitions": [], "first_layout": list(layouts[0])}
     rest = steps(first, SEG * len(layouts), save=False)
     for key in rest:
         out["uninterrupted"][key] += rest[key]
@@ -113,7 +115,8 @@ def run(cfg, precision: str, total: int) -> dict:
         if rank == 0:
             made = prepare(cfg.run_dir, layout, log=print)
             made = made and {**made.record(), "made": made.made,
-                             "same_weights": same_weights(made.path, os.path.join(base, "checkpoints", tag), precision)}
+                             "same_weights": same_weights(made.path, os.path.join(base, "checkpoints", tag),
+                                                          cfg.parallel.precision)}
         box = [made]
         torch.distributed.broadcast_object_list(box, src=0)
         inplace = Trainer(laid_out(cfg, layout), max_steps=total)
@@ -122,6 +125,9 @@ def run(cfg, precision: str, total: int) -> dict:
         step["copy_dropped"] = not os.path.exists(copy_dir(os.path.join(base, "checkpoints"), tag))
         del inplace
         gc.collect()
+        if precision == "tp4":  # (the other runs compare with convert reshard; this one saves the time)
+            out["transitions"].append(step)
+            continue
         manual_dir = f"{base}-manual{i}"
         if rank == 0:
             config = reshard(os.path.join(base, "checkpoints", tag), manual_dir, layout[0], layout[2],
