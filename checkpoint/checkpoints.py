@@ -20,11 +20,15 @@ Consolidated file (`torch.save` of a dict, read back with weights_only=True):
 
 Resharding goes through DeepSpeed's universal checkpoint (`deepspeed.checkpoint.ds_to_universal`),
 which stores every parameter and its Adam moments whole, by parameter name; the engine of any
-other pp × dp layout then loads it with `"checkpoint": {"load_universal": true}`. Parameter names
-of the pipeline module carry the layer's plan index, not its stage, so they do not change with pp.
+other pp × tp × dp layout then loads it with `"checkpoint": {"load_universal": true}`. Parameter
+names of the pipeline module carry the layer's plan index, not its stage, so they do not change
+with pp; how each is split across tensor-parallel ranks is parallel/universal.py's info. The
+conversion is `to_universal`, for `./run.sh convert reshard` (a new run directory) and for a run
+resumed in place at another layout (checkpoint/elastic.py).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -35,6 +39,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from checkpoint import manifest
 from checkpoint.manifest import replacing
 from model.config import ModelConfig
 from model.layers import split_fused_projections
@@ -163,7 +168,7 @@ def pipeline_state(tag_dir: str, cfg: ModelConfig, wanted: set[str] | None = Non
 
 def _universal_state(tag_dir: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     pipe = {}
-    for fp32 in sorted(glob.glob(os.path.join(tag_dir, "zero", "*", "fp32.pt"))):
+    for fp32 in sorted(glob.glob(os.path.join(tag_dir, "zero", "*", "fp32.pt"))):  # fused parts: SubparamShape
         pipe[os.path.basename(os.path.dirname(fp32))] = load_file(fp32)["param"]
     # The optimizer's names are the modules' own (fused projections); a model file has the standard ones.
     return split_fused_projections(plain_state_dict(cfg, pipe))
@@ -275,12 +280,57 @@ def kept_loss_scale(universal_dir: str) -> dict | None:
         return None
 
 
+def needs_zero_shards(tag_dir: str) -> None:
+    """Refuse a checkpoint without ZeRO optimizer shards (parallel.zero_stage: 0 keeps the optimizer
+    whole in the model states, which the universal conversion does not read)."""
+    if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        raise CheckpointError(f"{tag_dir} has no ZeRO optimizer shards; resharding needs a checkpoint "
+                              "trained with parallel.zero_stage: 1")
+
+
+def to_universal(tag_dir: str, out_dir: str) -> float:
+    """Convert the checkpoint `tag_dir` (ZeRO-1) into the universal checkpoint `out_dir`, which a
+    run of any pp × tp × dp layout loads (`"checkpoint": {"load_universal": true}`): DeepSpeed's
+    ds_to_universal (checkpoint/to_universal.py), fp16's loss scale kept beside it. Written into
+    `<out_dir>.<pid>.tmp` and renamed: `out_dir` is whole or absent, also when this process is
+    killed (its converter dies with it). Returns the seconds it took."""
+    import time
+
+    start = time.perf_counter()
+    needs_zero_shards(tag_dir)
+    refusal = safe_load.check_folder(tag_dir)  # nothing the conversion reads may run code
+    if refusal:
+        raise CheckpointError(refusal)
+    work = f"{out_dir}.{os.getpid()}.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    # Workers: one per core up to 8 (each extracts one ZeRO shard file, or merges one parameter, in memory)
+    workers = str(max(2, min(8, len(os.sched_getaffinity(0)))))
+    try:
+        # every torch.load of the conversion weights-only too (DeepSpeed's asks for weights_only=False),
+        # in case a file changed since the check
+        proc = safe_load.run_process("checkpoint.to_universal", [
+            "--input_folder", tag_dir, "--output_folder", work, "--inject_missing_state", "--num_extract_workers",
+            workers, "--num_merge_workers", workers], env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if proc.returncode != 0:
+            raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"
+                                  f"{(proc.stdout + proc.stderr)[-3000:]}")
+        # ds_to_universal writes `latest_universal` beside its output folder: not ours to keep
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(os.path.dirname(work), UNIVERSAL_LATEST))
+        keep_loss_scale(tag_dir, work)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(work, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return time.perf_counter() - start
+
+
 def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: int,
             tag: str | None = None, max_steps: int | None = None, *,
-            check_config: Callable[[dict], None]) -> str:
+            check_config: Callable[[dict], None], tensor_parallel: int | None = None) -> str:
     """Convert a checkpoint to a universal one in a new run directory laid out as
-    `pipeline_stages` × `data_parallel`; returns the config to resume it with
-    (`./run.sh train <out_run_dir>/config.yaml`).
+    `pipeline_stages` × `tensor_parallel` (default: the checkpoint's) × `data_parallel`; returns
+    the config to resume it with (`./run.sh train <out_run_dir>/config.yaml`).
 
     The global batch is kept (micro_batches × data_parallel), so the resumed run draws the same
     batches as the original would have. The data folder is linked, not copied. `max_steps`
@@ -290,15 +340,11 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
     """
     run_dir, tag_dir, tag = locate(source, tag)
     meta = checkpoint_meta(tag_dir)
-    zero_stage = (meta["config"].get("parallel") or {}).get("zero_stage", 1)
-    if zero_stage == 0 or not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
-        what = "was trained with parallel.zero_stage: 0" if zero_stage == 0 else "has no ZeRO optimizer shards"
-        raise CheckpointError(f"{tag_dir} {what}; resharding needs a checkpoint trained with parallel.zero_stage: 1")
+    needs_zero_shards(tag_dir)
     run_cfg = json.loads(json.dumps(meta["config"]))  # tuples → lists, a private copy
     old = dict(run_cfg["parallel"])
-    if old.get("tensor_parallel", 1) > 1:
-        raise CheckpointError(f"{tag_dir} is tensor-parallel (tp={old['tensor_parallel']}); resharding "
-                              "supports pipeline and data parallelism only")
+    old.setdefault("tensor_parallel", 1)
+    tensor_parallel = tensor_parallel or old["tensor_parallel"]
     global_micro = run_cfg["train"]["micro_batches"] * old["data_parallel"]
     if global_micro % data_parallel:
         raise CheckpointError(f"the global batch has {count(global_micro, 'micro-batch', 'micro-batches')} "
@@ -307,7 +353,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
                               f"data_parallel={data_parallel} must divide it")
     out_run_dir = os.path.abspath(out_run_dir)
     run_cfg["run_dir"] = out_run_dir
-    run_cfg["parallel"].update(pipeline_stages=pipeline_stages, data_parallel=data_parallel)
+    run_cfg["parallel"].update(pipeline_stages=pipeline_stages, tensor_parallel=tensor_parallel,
+                               data_parallel=data_parallel)
     run_cfg["train"]["micro_batches"] = global_micro // data_parallel
     if max_steps is not None:
         run_cfg["train"]["max_steps"] = max_steps
@@ -321,19 +368,11 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
         raise CheckpointError(f"{ckpt_dir} already holds checkpoints; choose a new output run directory")
     os.makedirs(ckpt_dir, exist_ok=True)
     universal_tag = f"universal-{tag}"  # not 'step*': the trainer's clean-up of old tags skips it
-    work = os.path.join(ckpt_dir, f".{universal_tag}.tmp")
-    shutil.rmtree(work, ignore_errors=True)
-    # checkpoint_meta checked every file of tag_dir; the conversion also runs with every torch.load
-    # weights-only (DeepSpeed's asks for weights_only=False), in case a file changed since
-    proc = safe_load.run_process("deepspeed.checkpoint.ds_to_universal", [
-        "--input_folder", tag_dir, "--output_folder", work, "--inject_missing_state", "--num_extract_workers", "2",
-        "--num_merge_workers", "2"], env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if proc.returncode != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        raise CheckpointError(f"deepspeed.checkpoint.ds_to_universal failed on {tag_dir}:\n"
-                              f"{(proc.stdout + proc.stderr)[-3000:]}")
-    keep_loss_scale(tag_dir, work)
-    os.replace(work, os.path.join(ckpt_dir, universal_tag))
+    seconds = to_universal(tag_dir, os.path.join(ckpt_dir, universal_tag))
+    layout = [old["pipeline_stages"], old["tensor_parallel"], old["data_parallel"]]
+    manifest.commit_local(os.path.join(ckpt_dir, universal_tag), universal_tag,
+                          int(meta.get("step", meta.get("global_steps", 0))),
+                          extra={"source": tag, "layout": layout, "seconds": seconds})
 
     data_link = os.path.join(out_run_dir, "data")
     if not os.path.exists(data_link):
@@ -342,8 +381,8 @@ def reshard(source: str, out_run_dir: str, pipeline_stages: int, data_parallel: 
 
     config_path = os.path.join(out_run_dir, "config.yaml")
     with open(config_path, "w", encoding="utf-8") as f:
-        f.write(f"# resharded from {tag_dir} ({count(old['pipeline_stages'], 'stage')} × "
-                f"{count(old['data_parallel'], 'replica')}) to {pipeline_stages} × {data_parallel}\n")
+        f.write(f"# resharded from {tag_dir} ({count(old['pipeline_stages'], 'stage')} × tp {old['tensor_parallel']} × "
+                f"{count(old['data_parallel'], 'replica')}) to {pipeline_stages} × {tensor_parallel} × {data_parallel}\n")
         yaml.safe_dump(run_cfg, f, sort_keys=False)
     with open(os.path.join(out_run_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(run_cfg, f, indent=2)

@@ -139,6 +139,50 @@ def commit(ckpt_dir: str, tag: str, step: int, extra: dict | None = None) -> dic
     return manifest
 
 
+def _hash_all(tag_dir: str, names: list[str], threads: int, sync: bool) -> dict[str, str]:
+    """SHA-256 of every file of `names` in `tag_dir`, `threads` at a time (hashlib releases the
+    GIL while it hashes, so threads read and hash in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return dict(zip(names, pool.map(lambda n: sha256(os.path.join(tag_dir, n), sync=sync), names)))
+
+
+def commit_local(tag_dir: str, tag: str, step: int, extra: dict | None = None, threads: int = 4) -> dict:
+    """`commit` by one process for a folder it wrote alone (a universal copy made before the ranks
+    start, checkpoint/elastic.py): hashes with `threads` threads, writes the manifest; `latest`
+    is left alone."""
+    files = _listing(tag_dir)
+    hashes = _hash_all(tag_dir, sorted(files), threads, sync=True)
+    entries = {name: {"size": files[name], "sha256": hashes[name]} for name in sorted(files)}
+    manifest = {"format": FORMAT, "tag": tag, "step": step, **(extra or {}), "files": entries}
+    write_atomic(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1))
+    return manifest
+
+
+def verify_local(tag_dir: str, threads: int = 4) -> list[str]:
+    """`verify` by one process (no collective), hashing with `threads` threads."""
+    manifest = read(tag_dir)
+    if manifest is None:
+        return [f"{os.path.join(tag_dir, MANIFEST)} is missing or unreadable"]
+    problems, present = [], []
+    for name, want in manifest["files"].items():
+        path = os.path.join(tag_dir, name)
+        if not os.path.isfile(path):
+            problems.append(f"{path} is missing")
+        elif os.path.getsize(path) != want["size"]:
+            size = os.path.getsize(path)
+            problems.append(f"{path} has {size} bytes, the manifest says {want['size']} "
+                            f"({'truncated' if size < want['size'] else 'grown'})")
+        else:
+            present.append(name)
+    for name, digest in _hash_all(tag_dir, present, threads, sync=False).items():
+        if digest != manifest["files"][name]["sha256"]:
+            problems.append(f"{os.path.join(tag_dir, name)} has changed since it was written (SHA-256 differs "
+                            "from the manifest)")
+    return sorted(problems)
+
+
 def read(tag_dir: str) -> dict | None:
     try:
         with open(os.path.join(tag_dir, MANIFEST), encoding="utf-8") as f:
@@ -219,6 +263,22 @@ def verify(tag_dir: str) -> list[str]:
         elif sha256(path) != want["sha256"]:
             problems.append(f"{path} has changed since it was written (SHA-256 differs from the manifest)")
     return sorted(p for part in _gather(problems) for p in part)
+
+
+def set_aside(ckpt_dir: str, tags: list[str]) -> None:
+    """Move damaged checkpoints to `<ckpt_dir>/damaged/` (an earlier damaged copy of the same step
+    is kept: the new one gets a suffix, `step1500.1`) and point `latest` at the newest committed
+    one left. One process, holding the run (the ranks' rank 0, or the launcher before them)."""
+    aside = os.path.join(ckpt_dir, "damaged")
+    os.makedirs(aside, exist_ok=True)
+    for tag in tags:
+        name, n = tag, 1
+        while os.path.lexists(os.path.join(aside, name)):
+            name, n = f"{tag}.{n}", n + 1
+        os.replace(os.path.join(ckpt_dir, tag), os.path.join(aside, name))
+    good = newest_committed(ckpt_dir)
+    if good:
+        write_atomic(os.path.join(ckpt_dir, LATEST), good)
 
 
 def newest_committed(ckpt_dir: str) -> str | None:

@@ -107,10 +107,12 @@ def check_trace_steps(cfg: RunConfig, where: str) -> None:
               "(nothing waits for another stage)", flush=True)
 
 
-def check_resume(cfg: RunConfig, where: str) -> dict | None:
-    """An existing run directory is resumed: refuse a config whose model or layout differs from
-    the one its checkpoints were trained with (`saved_run_config`), naming the keys (the keys
-    trainer/run_dir.py's RESUME_RULES fixes). Returns the recorded config (None for a new run)."""
+def check_resume(cfg: RunConfig, where: str, batch: bool = True) -> dict | None:
+    """An existing run directory is resumed: refuse a config whose model differs from the one its
+    checkpoints were trained with (`saved_run_config`), naming the keys (the keys
+    trainer/run_dir.py's RESUME_RULES fixes), and (`batch`) set train.micro_batches to keep the
+    run's global batch at the config's data_parallel (`keep_global_batch`). Returns the recorded
+    config (None for a new run)."""
     from launcher.options import shown_path
 
     saved = saved_run_config(cfg.run_dir, restore=False)  # the ranks restore it, holding the run lock
@@ -121,6 +123,8 @@ def check_resume(cfg: RunConfig, where: str) -> dict | None:
         raise ConfigError(f"{where}: run_dir {cfg.run_dir} was trained with another model or layout "
                           f"({'; '.join(diffs)}); {refusal_hint(diffs, shown_path(cfg.run_dir))}")
     check_resume_data(cfg, saved, where)
+    if batch:
+        keep_global_batch(cfg, where)
     return saved
 
 
@@ -130,8 +134,8 @@ def check_checkpoint_files(cfg: RunConfig, where: str) -> None:
     a file that needs another type is refused here, naming it and the type, before any rank starts
     and before anything is written. The ranks check the one they load again."""
     from checkpoint import manifest
-    from runtime import safe_load
     from checkpoint.checkpoints import UNIVERSAL_LATEST
+    from runtime import safe_load
 
     ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
     folders = [os.path.join(ckpt_dir, tag) for tag in manifest.committed_tags(ckpt_dir)]
@@ -142,6 +146,45 @@ def check_checkpoint_files(cfg: RunConfig, where: str) -> None:
         refusal = safe_load.check_folder(folder)
         if refusal:
             raise ConfigError(f"{where}: {refusal}")
+
+
+def keep_global_batch(cfg: RunConfig, where: str) -> None:
+    """train.micro_batches for the config's data_parallel, keeping the micro-batches per step of
+    the run's newest checkpoint (checkpoint/elastic.py `kept_micro_batches`): set in `cfg` and
+    said in one line, or refused naming the sizes that would keep them."""
+    from checkpoint import elastic, manifest
+
+    ckpt_dir = os.path.join(cfg.run_dir, "checkpoints")
+    tags = manifest.committed_tags(ckpt_dir)
+    if not tags:
+        return
+    t = cfg.train
+    t.micro_batches, line = elastic.kept_micro_batches(cfg.parallel.data_parallel, t.micro_batches, t.keep_global_batch,
+                                                       elastic.recorded(ckpt_dir, tags[0]), int(tags[0][4:]), where)
+    if line:
+        print(line, flush=True)
+
+
+def reshard(cfg: RunConfig, where: str):
+    """Holding the run lock, before any rank starts: the universal copy of the newest checkpoint
+    when it was written at another layout (checkpoint/elastic.py `prepare`), said on the console and
+    in train.log; None when the ranks resume (or start) as they are."""
+    from checkpoint import elastic
+    from trainer.progress import append_log
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        append_log(cfg.run_dir, line)
+
+    p = cfg.parallel
+    target = (p.pipeline_stages, p.tensor_parallel, p.data_parallel)
+    try:
+        done = elastic.prepare(cfg.run_dir, target, log=say)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: cannot resume {cfg.run_dir} at {elastic.shown(target)}: {e}") from None
+    if done is not None:
+        say(done.line())
+    return done
 
 
 def check_relaunch(cfg: RunConfig, saved: dict | None) -> tuple[str, str]:

@@ -2,7 +2,7 @@
 or reaches into (its private methods and attributes), with the source it was reviewed against.
 
 The project subclasses DeepSpeed's pipeline engine, module, schedule and bf16 optimizer
-(parallel/engine.py, parallel/zero_bubble.py, parallel/pipeline.py, parallel/optimizer.py) and
+(parallel/engine.py, parallel/schedule_engine.py, parallel/pipeline.py, parallel/optimizer.py) and
 reads or replaces a few of its internals elsewhere. None of that is DeepSpeed's public API: an
 upgrade can change any of it without notice. So each name is listed here with a digest of the
 installed source it was written against (DeepSpeed `VERSION`); tests/test_deepspeed_seam.py fails,
@@ -70,6 +70,12 @@ def digest(name: str) -> str:
 
 
 SEAMS: tuple[Seam, ...] = (
+    Seam('deepspeed.checkpoint.ds_to_universal:ProcessPoolExecutor',
+         'replaced by checkpoint.to_universal (workers that die with the conversion)',
+         '25ce32447d100341'),
+    Seam('deepspeed.checkpoint.ds_to_universal:_inject_missing_state',
+         "replaced by checkpoint.to_universal (the stages' universal info for a checkpoint that lacks it)",
+         '73b19730671e65b0'),
     Seam('deepspeed.checkpoint.ds_to_universal:main',
          "run under runtime/safe_load.py's weights-only wrapper by checkpoint/checkpoints.py reshard (its "
          "loads must be torch.load calls)",

@@ -96,6 +96,10 @@ def _groups(topo, rank: int, pp: int, tp: int) -> dict:
         from parallel.tensor import megatron
 
         parallel_state, _, _ = megatron()
+        if parallel_state.model_parallel_is_initialized() and (
+                parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size()) != (tp, pp):
+            parallel_state.destroy_model_parallel()  # this process built another layout before (a resume at a new one)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         groups = {"tensor": parallel_state.get_tensor_model_parallel_group(),

@@ -57,6 +57,13 @@ def parallelize(stage, layout: Layout, p: ParallelConfig, t: Optimization, run_d
         tp = TensorParallel.create(layout, precision.dtype)
         apply_tensor_parallel(stage, tp, path_of=functools.partial(plain_name, stage._plan))
         stage.tp = tp
+    # How DeepSpeed's universal checkpoint merges and splits these parameters at another tp
+    # (parallel/universal.py); written into every checkpoint's model states.
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+    from parallel.universal import module_info
+
+    object.__setattr__(stage, UNIVERSAL_CHECKPOINT_INFO, module_info(stage))
     stage.activation_checkpoint_interval = p.activation_checkpoint_interval  # 2
     compiled = compile_layers(stage) if compile_enabled(t.compile) else {}  # 3
     if schedule.splits_backward:  # 4

@@ -13,7 +13,10 @@ true):
                                         optimizer's parameter slice mappings), in every precision
     mp_rank_XX_model_states.pt          the same at ZeRO stage 0 (the optimizer state is kept
                                         there); torch.Size, which torch allows anyway
-    layer files, rng_rank*.pt, a universal checkpoint's zero/ files, consolidated model files:
+    a universal checkpoint's zero/*/*.pt deepspeed.checkpoint.universal_checkpoint.SubparamShape
+                                        (how a fused parameter's parts are cut: the stages
+                                        declare it, parallel/universal.py)
+    layer files, rng_rank*.pt, consolidated model files:
                                         nothing else (fp16's loss scale is plain numbers)
 
 Three lines of defence, because DeepSpeed reads its own files with `weights_only=False`:
@@ -75,15 +78,28 @@ class UnreadableFile(ValueError):
 
 
 def deepspeed_types() -> tuple[type, ...]:
-    """Every type besides tensors and plain values DeepSpeed writes into a checkpoint file."""
+    """Every type besides tensors and plain values DeepSpeed writes into a checkpoint file: its
+    parameter slice mappings, and the shape of a fused parameter's parts in a universal
+    checkpoint's files."""
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return (fragment_address,)
+    return fragment_address, SubparamShape
 
 
 def allowed_for(path: str) -> tuple[type, ...]:
-    """The types besides tensors and plain values a file of this name may hold (module docstring)."""
-    return deepspeed_types() if _FRAGMENT_FILES.match(os.path.basename(path)) else ()
+    """The types besides tensors and plain values a file (or, for a folder, any of its files) of
+    this name may hold (module docstring)."""
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    if os.path.isdir(path):
+        return deepspeed_types()
+    if _FRAGMENT_FILES.match(os.path.basename(path)):
+        return (fragment_address,)
+    if os.path.basename(os.path.dirname(os.path.dirname(path))) == "zero":  # <universal>/zero/<param>/fp32.pt
+        return (SubparamShape,)
+    return ()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from unittest import mock
 
 SECTIONS = ("model", "data", "parallel", "train")
 # Placeholders a parser types or checks against its choices, and their sample values.
-SAMPLES = {"N": "2", "G": "8", "K": "2", "TYPE": "h100-80gb", "LANG": "de", "CONFIG": "configs/default.yaml",
+SAMPLES = {"N": "2", "MIN-MAX": "1-2", "G": "8", "K": "2", "TYPE": "h100-80gb", "LANG": "de", "CONFIG": "configs/default.yaml",
            "COMMAND": "train", "KEY=VALUE": "train.max_steps=400", "run_dir": "runs/default"}
 
 # ----------------------------------------------------------------------------- reading the docs

@@ -196,7 +196,8 @@ CONFIG_CASES = [
     ("run_dir-is-a-file", run_dir_is_file, ["run_dir", "not a folder"]),
     ("run_dir-empty", with_key("run_dir", ""), ["run_dir"]),
     ("resume-other-shape", resumed_with({"model": {"d_model": 64}}), ["model.d_model: 32 → 64", "new run_dir"]),
-    ("resume-other-layout", resumed_with({"parallel": {"pipeline_stages": 3}}), ["parallel.pipeline_stages: 2 → 3"]),
+    # (another pp × tp × dp is resumed, resharded: tests/test_elastic.py; its own refusals there)
+    ("resume-other-zero-stage", resumed_with({"parallel": {"zero_stage": 0}}), ["parallel.zero_stage: 1 → 0", "new run_dir"]),
     ("resume-damaged-config-json", resumed_with({}, "{garbage"), ["config.json", "damaged"]),
     ("resume-other-vocab", resumed_with({"data": {"vocab_size": 500}}), ["data.vocab_size", "→ 500", "tokenizer"]),
     ("resume-other-languages", resumed_with({"data": {"languages": ["fr"]}}), ["data.languages", "tokenizer"]),

@@ -64,6 +64,8 @@ ALLOWED = {
     ("flag", "--module"): "deepspeed's launcher option (`deepspeed --module launcher.worker`)",
     ("flag", "--kill-on-bad-exit"): "srun's option, in the SLURM job script",
     ("flag", "--requeue"): "sbatch's option, in the SLURM job script",
+    ("flag", "--mincpus"): "sbatch's option, in an elastic SLURM job's script",
+    ("flag", "--ntasks-per-node"): "sbatch's and srun's option, in the SLURM job script",
     ("flag", "--signal"): "sbatch's `--signal=B:USR1@300` and scancel's `--signal=USR1`",
 }
 

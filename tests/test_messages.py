@@ -24,6 +24,8 @@ ALWAYS_PLURAL = {
     ("bench.layouts", " values"): "a type name, not a number",
     ("bench.layouts", " runs "): "a layout's name and a verb",
     ("bench.ops_syncs", " ranks (this machine has "): "the accelerator's name, not a number",
+    ("launcher.slurm", " nodes"): "an elastic job's range of node counts (1-2), never 1",
+    ("launcher.slurm", " ranks"): "an elastic job's range of rank counts, never 1",
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import run_worker, write_run_config
 from tests.dist.resume_worker import CHANGED, LAYOUT_CHANGED
 from trainer.config import ConfigError, RunConfig, load_config, to_dict
-from trainer.run_dir import FIXED, HONOURED, PREPARED, RESHARDABLE, RESUME_RULES
+from trainer.run_dir import FIXED, HONOURED, PREPARED, RESHARDED, RESUME_RULES
 
 CONFIG = {"train": {"max_steps": 4, "micro_batches": 2, "lr": 2e-3, "warmup_steps": 4, "save_interval": 2,
                     "keep_checkpoints": 3, "valid_interval": 100, "log_interval": 1},
@@ -111,9 +111,21 @@ def test_a_fixed_or_prepared_key_changed_for_a_resume_is_refused_before_launch(k
     with pytest.raises(ConfigError) as refused:
         check_resume(cfg, path)
     assert f"{key}: {record[section][name]!r} → {value!r}" in str(refused.value), str(refused.value)
-    if RESUME_RULES[key] == FIXED:  # what can be done: reshard a layout, or a new run (from these weights)
-        hint = "./run.sh convert reshard" if key in RESHARDABLE else "use a new run_dir (train.init_from="
-        assert hint in str(refused.value), str(refused.value)
+    if RESUME_RULES[key] == FIXED:  # what can be done: a new run (from these weights)
+        assert "use a new run_dir (train.init_from=" in str(refused.value), str(refused.value)
+
+
+def test_the_layout_keys_are_resharded_not_refused(recorded):
+    """pp, tp and dp may change: the newest checkpoint is converted before the ranks start
+    (checkpoint/elastic.py; tests/test_elastic.py resumes at each and compares the losses)."""
+    from launcher.preflight import check_resume
+
+    assert sorted(k for k, rule in RESUME_RULES.items() if rule == RESHARDED) == [
+        "parallel.data_parallel", "parallel.pipeline_stages", "parallel.tensor_parallel"]
+    path, record = recorded
+    cfg = load_config(path, sets=["parallel.pipeline_stages=1", "parallel.tensor_parallel=2", "parallel.data_parallel=2"])
+    saved = check_resume(cfg, path)  # (no checkpoint yet: nothing to convert, no batch to keep)
+    assert saved["parallel"] == record["parallel"] and cfg.train.micro_batches == record["train"]["micro_batches"]
 
 
 # ---- honoured keys: the resumed run uses the new value --------------------------------------------
@@ -146,6 +158,13 @@ def test_train_max_steps(resumed):
 
 
 def test_train_micro_batches(resumed):
+    assert _each(resumed, "resumed", "micro_batches") == [3, 3]
+    assert all(d["n"] == 3 for rank in resumed for d in rank["ran"]["draws"])
+
+
+def test_train_keep_global_batch(resumed):
+    """false: the config's micro_batches (3) replace the checkpoint's 2 per step, a batch changed on
+    purpose (true keeps 2 at any layout: tests/test_elastic.py)."""
     assert _each(resumed, "resumed", "micro_batches") == [3, 3]
     assert all(d["n"] == 3 for rank in resumed for d in rank["ran"]["draws"])
 

@@ -1,8 +1,8 @@
 """The generated SLURM job, run by a real SLURM cluster of fake nodes on this machine.
 
-tests/slurm/start.sh starts Debian's munged, slurmctld and seven slurmd (node1-node7) in three
-partitions. Four jobs of `./run.sh slurm CONFIG --nodes 2 --gpus-per-node 0` run side by side,
-each a 2-stage pipeline with one stage per node:
+tests/slurm/start.sh starts Debian's munged, slurmctld and nine slurmd (node1-node9) in four
+partitions. Five jobs of `./run.sh slurm CONFIG --nodes 2 --gpus-per-node 0` (job E: `--nodes 1-2`)
+run side by side, each with one rank per node (A-D a 2-stage pipeline):
 - job A (configs/slurm-tiny.yaml) trains to the end; its per-step losses must equal the
   single-process reference;
 - job B gets SIGUSR1 the way `sbatch --signal=B:USR1@T` delivers it (to the batch shell). It must
@@ -12,7 +12,10 @@ each a 2-stage pipeline with one stage per node:
   checkpoint save, then has it hang (SIGSTOP): each time one line names the rank, node and PID,
   the attempt ends within a bound, the job requeues itself, and it ends with job A's losses;
 - job D (partition nodeloss) loses rank 1's whole node (slurmd, slurmstepd, rank), is requeued
-  onto the spare node after the node is set DOWN, loses rank 1 at the same step again and stops.
+  onto the spare node after the node is set DOWN, loses rank 1 at the same step again and stops;
+- job E (`--nodes 1-2`, partition elastic) starts on two nodes; one is drained and the job requeued:
+  it goes on alone at the layout its start chooses, the checkpoint resharded, the global batch
+  kept; the node back and the job requeued: on two again, with the reference's losses.
 The cheap checks without a cluster are tests/test_slurm_script.py (the generated script, the rank
 mapping, every config's layouts, a signal reaching one rank stopping all of them), and
 tests/test_heartbeat.py (naming a lost rank and the job's fault accounting).
@@ -22,8 +25,6 @@ runs on it too).
 """
 from __future__ import annotations
 
-import csv
-import glob
 import json
 import os
 import re
@@ -35,82 +36,25 @@ import time
 
 import pytest
 
-from data.config import DataConfig
-from tests.conftest import TINY_DATA
+from schema.text import count
 from tests.reference import reference_run
+from tests.slurm_jobs import (
+    CONFIG,
+    ENDED,
+    attempt_log,
+    job_info,
+    log_of,
+    losses,
+    node_processes,
+    rank_beat,
+    submit,
+    wait_in_log,
+    wait_until_ended,
+)
 from trainer.config import load_config
 from trainer.run_dir import SUMMARY_KEYS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "configs", "slurm-tiny.yaml")
 REFERENCE_STEPS = 20
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE", "PREEMPTED"}
-
-
-def submit(env: dict, run_dir: str, data_dir: str, config: str = CONFIG, partition: str = "test",
-           script_values: dict | None = None) -> str:
-    """`./run.sh slurm CONFIG --submit`; with `script_values`, the script's variables of that name are
-    set first (e.g. FAULT_GRACE) and the script is submitted with sbatch."""
-    # The job's data step must find the session's corpus up to date, not rebuild it in place.
-    assert load_config(config).data == DataConfig(**TINY_DATA), f"{config} data ≠ TINY_DATA"
-    os.makedirs(run_dir)
-    os.symlink(data_dir, os.path.join(run_dir, "data"))  # the session's prepared tiny corpus
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "slurm", config, "--nodes", "2",
-                           "--gpus-per-node", "0", "--partition", partition, "--run-dir", run_dir,
-                           "--cpus-per-task", "1",  # two jobs side by side on the 2-CPU nodes
-                           *([] if script_values else ["--submit"])],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if script_values:
-        script = os.path.join(run_dir, "slurm", "job.sbatch")
-        text = open(script).read()
-        for name, value in script_values.items():
-            text, n = re.subn(rf"^{name}=\S+$", f"{name}={value}", text, flags=re.M)
-            assert n == 1, name
-        with open(script, "w") as f:
-            f.write(text)
-        proc = subprocess.run(["sbatch", "--parsable", script], env=env, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.strip().split(";")[0]
-    found = re.search(r"submitted job (\d+)", proc.stdout)
-    assert found, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return found.group(1)
-
-
-def job_info(env: dict, job: str) -> dict:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True,
-                         text=True, timeout=60).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
-
-
-def log_of(run_dir: str, job: str) -> str:
-    found = glob.glob(os.path.join(run_dir, "slurm", "logs", f"*-{job}.out"))
-    return open(found[0], encoding="utf-8", errors="replace").read() if found else ""
-
-
-def wait_until_ended(env: dict, job: str, run_dir: str, restarts: int = 0, timeout: float = 600) -> dict:
-    """Poll scontrol until the job has ended after `restarts` requeues; generous for a busy machine."""
-    deadline = time.monotonic() + timeout
-    ended_at = None
-    while time.monotonic() < deadline:
-        info = job_info(env, job)
-        if info.get("JobState") in ENDED:
-            ended_at = ended_at or time.monotonic()
-            # Ended without the expected requeue: give SLURM a moment, then let the caller fail.
-            if int(info.get("Restarts", 0)) >= restarts or time.monotonic() - ended_at > 10:
-                return info
-        else:
-            ended_at = None
-        time.sleep(1)
-    raise AssertionError(f"job {job} did not end within {timeout} s: {job_info(env, job)}\n"
-                         f"{log_of(run_dir, job)[-4000:]}")
-
-
-def losses(run_dir: str) -> list[tuple[int, float]]:
-    """(step, loss) as the trainer's CSV monitor wrote them, over every launch of the run."""
-    with open(os.path.join(run_dir, "metrics", "train", "train_loss.csv"), newline="") as f:
-        return [(int(row[0]), float(row[1])) for row in csv.reader(f) if row[0] != "step"]
 
 
 # ---- faults injected into running jobs (C and D), each from a thread of its own ---------------------
@@ -131,58 +75,6 @@ def fault_config(path: str, run_dir: str) -> str:
     with open(path, "w") as f:
         yaml.safe_dump(values, f)
     return path
-
-
-def attempt_log(run_dir: str, job: str, attempt: int) -> str:
-    """The part of the job's log written by its start number `attempt` (to the next start)."""
-    parts = re.split(rf"^\S+ job {job} start (\d+) ", log_of(run_dir, job), flags=re.M)
-    found = [parts[i + 1] for i in range(1, len(parts) - 1, 2) if parts[i] == str(attempt)]
-    return found[-1] if found else ""
-
-
-def wait_in_log(run_dir: str, job: str, attempt: int, pattern: str, timeout: float = 600) -> float:
-    """Poll (10 ms) until attempt `attempt` of the job logged `pattern`; the monotonic time seen."""
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, attempt_log(run_dir, job, attempt), flags=re.M):
-        assert time.monotonic() < deadline, f"job {job} attempt {attempt}: no {pattern!r}:\n{log_of(run_dir, job)[-4000:]}"
-        time.sleep(0.01)
-    return time.monotonic()
-
-
-def rank_beat(run_dir: str, rank: int, launch: str, timeout: float = 600) -> dict:
-    """Rank `rank`'s heartbeat record of `launch` (its PID and node) once it exists."""
-    from runtime import heartbeat
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with open(heartbeat.rank_path(run_dir, rank)) as f:
-                record = json.load(f)
-            if record["launch"] == launch:
-                return record
-        except (OSError, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"no heartbeat of rank {rank} in launch {launch}"
-        time.sleep(0.05)
-
-
-def node_processes(node: str) -> dict:
-    """Every process of fake node `node`, by process: its slurmd, its job steps' slurmstepd and their
-    tasks; the values are their command lines."""
-    import psutil
-
-    found = {}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = p.info["cmdline"] or []
-            if cmd[:4] == ["slurmd", "-D", "-N", node] or p.environ().get("SLURMD_NODENAME") == node:
-                found[p] = " ".join(cmd)
-                parent = p.parent()
-                if parent is not None and "slurmstepd" in " ".join(parent.cmdline()):
-                    found[parent] = " ".join(parent.cmdline())
-        except (psutil.Error, OSError):
-            continue
-    return found
 
 
 def inject_c(env: dict, job: str, run_dir: str, out: dict) -> None:
@@ -220,6 +112,37 @@ def inject_d(env: dict, job: str, run_dir: str, out: dict) -> None:
     out[1] = {"pid": beat["pid"], "node": beat["node"], "seconds": ended - fault}
 
 
+ELASTIC = {"max_steps": 40, "micro_batches": 2, "save_interval": 1000, "valid_interval": 1000}
+"""Job E: slurm-tiny's model and data, 2 micro-batches per step, 40 steps, no checkpoint but those
+its requeues take."""
+
+
+def elastic_config(path: str, run_dir: str) -> str:
+    import yaml
+
+    values = yaml.safe_load(open(CONFIG))
+    values["run_dir"] = run_dir
+    values["train"].update(ELASTIC)
+    with open(path, "w") as f:
+        yaml.safe_dump(values, f)
+    return path
+
+
+def inject_e(env: dict, job: str, run_dir: str, out: dict) -> None:
+    """Job E (--nodes 1-2 on node8, node9): after its fifth step node9 is drained and the job asked
+    to checkpoint and requeue (as `scancel --signal=USR1 --batch` does); its next start gets node8
+    alone. Three steps later node9 is resumed and the job asked again: the third start has both."""
+    for attempt, steps, state in ((0, 5, "drain reason=drained-in-a-test"), (1, 3, "resume")):
+        deadline = time.monotonic() + 600
+        while len(re.findall(r"\| step \d+ \| loss", attempt_log(run_dir, job, attempt))) < steps:
+            assert time.monotonic() < deadline, f"job E attempt {attempt}: no {steps} steps:\n{log_of(run_dir, job)[-3000:]}"
+            time.sleep(0.05)
+        subprocess.run(["scontrol", "update", "nodename=node9", *f"state={state}".split()], env=env, check=True,
+                       timeout=60)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=60)
+        out[attempt] = state.split()[0]
+
+
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tiny_data, tmp_path_factory):
     """Submit A, B, C and D together; preempt B once its training has begun; C's and D's faults are
@@ -227,12 +150,14 @@ def jobs(slurm_cluster, tiny_data, tmp_path_factory):
     cluster = slurm_cluster
     work = tmp_path_factory.mktemp("slurm-jobs")
     runs = {"A": str(work / "plain"), "B": str(work / "preempted"), "C": str(work / "faults"),
-            "D": str(work / "nodeloss")}
+            "D": str(work / "nodeloss"), "E": str(work / "elastic")}
     ids = {name: submit(cluster, runs[name], tiny_data) for name in ("A", "B")}
     ids["C"] = submit(cluster, runs["C"], tiny_data, fault_config(str(work / "c.yaml"), runs["C"]), "faults")
     ids["D"] = submit(cluster, runs["D"], tiny_data, fault_config(str(work / "d.yaml"), runs["D"]), "nodeloss",
                       {"FAULT_GRACE": FAULT_GRACE})
-    injected = {"C": {}, "D": {}}
+    ids["E"] = submit(cluster, runs["E"], tiny_data, elastic_config(str(work / "e.yaml"), runs["E"]), "elastic",
+                      nodes="1-2")
+    injected = {"C": {}, "D": {}, "E": {}}
 
     def run(inject, name):
         try:
@@ -242,7 +167,7 @@ def jobs(slurm_cluster, tiny_data, tmp_path_factory):
             subprocess.run(["scancel", ids[name]], env=cluster, timeout=60)
 
     threads = {name: threading.Thread(target=run, args=(inject, name), daemon=True)
-               for name, inject in (("C", inject_c), ("D", inject_d))}
+               for name, inject in (("C", inject_c), ("D", inject_d), ("E", inject_e))}
     for thread in threads.values():
         thread.start()
     deadline = time.monotonic() + 600
@@ -408,3 +333,40 @@ def test_a_lost_node_is_replaced_and_a_fault_recurring_at_one_step_stops_the_job
     # The node: the survivor's line, then FAULT_GRACE before the script ends srun (said above); not
     # sooner, whatever the machine. How much longer is the machine's: printed, not judged.
     assert faults[0]["seconds"] >= FAULT_GRACE
+
+
+def test_an_elastic_job_continues_on_the_nodes_it_gets_with_the_same_batch_and_losses(jobs):
+    """Job E (--nodes 1-2): started on node8 and node9; node9 drained and the job requeued: it goes
+    on alone on node8 at pp1·tp1·dp1 (its checkpoint resharded before the ranks start, the 2
+    micro-batches per step kept); node9 back and the job requeued: on both again. Every step once,
+    the single-process reference's losses."""
+    env, ids, runs, threads, injected = jobs
+    job, run_dir = ids["E"], runs["E"]
+    info = wait_until_ended(env, job, run_dir, restarts=2)
+    threads["E"].join(60)
+    log = log_of(run_dir, job)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "2"), log[-4000:]
+    assert injected["E"] == {0: "drain", 1: "resume"} and "Traceback" not in log
+    starts = re.findall(rf"job {job} start (\d) on (\S+),", log)
+    assert [(a, nodes) for a, nodes in starts] == [("0", "node[8-9]"), ("1", "node8"), ("2", "node[8-9]")], starts
+    chosen = []
+    for attempt, nodes in ((0, 2), (1, 1), (2, 2)):
+        part = attempt_log(run_dir, job, attempt)
+        line = re.search(rf"^layout for {count(nodes, 'node')} × 1 rank: (pp\d·tp1·dp\d), train.micro_batches (\d) "
+                         r"\(2 micro-batches per step", part, flags=re.M)
+        assert line, part[-3000:]
+        chosen.append(line.group(1))
+        assert int(line.group(2)) * int(line.group(1)[-1]) == 2  # dp × micro-batches: the global batch kept
+        if attempt:
+            k = json.load(open(os.path.join(run_dir, "slurm", "logs", f"preempted.json.{job}.{attempt - 1}")))["step"]
+            said = rf"^resharded step {k} from {chosen[-2]} to {chosen[-1]} in [\d.]+ s"
+            assert re.search(said, part, flags=re.M) and "resharded through" in part, part[-3000:]
+            assert part.index("resharded step") < part.index(f"step {k + 1} | loss")
+    assert chosen[1] == "pp1·tp1·dp1" and chosen[0] == chosen[2]
+    got = losses(run_dir)
+    assert [step for step, _ in got] == list(range(1, ELASTIC["max_steps"] + 1))
+    ref = reference_run(load_config(os.path.join(run_dir, "slurm", "config.yaml")), ELASTIC["max_steps"])
+    assert [loss for _, loss in got] == pytest.approx(ref["loss"], rel=1e-4)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["resharded"]["from"] == chosen[1] and summary["resharded"]["to"] == chosen[2]

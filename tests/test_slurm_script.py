@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 
+from schema.text import count
 from trainer.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +77,48 @@ def test_layout_that_does_not_match_the_nodes_is_refused_naming_the_flags(tmp_pa
     assert code == 2 and "--gpus-per-node" in capsys.readouterr().err
     code, _, _ = generate(tmp_path, CONFIG, "--cluster", "x", "--nodes", "2", "--gpus-per-node", "0")
     assert code == 2 and "no clusters: section" in capsys.readouterr().err
+
+
+def test_elastic_job_script_chooses_its_layout_at_every_start(tmp_path, capsys):
+    """--nodes MIN-MAX: the range to sbatch, a start step that chooses the layout for the nodes it
+    got and writes the config the ranks read; every count of the range checked before the job is
+    written (a count without a layout is refused in one line)."""
+    code, run_dir, script = generate(tmp_path, CONFIG, "--nodes", "1-2", "--gpus-per-node", "0", "--fixed", "tp",
+                                     "--cpus-per-task", "1", "--dry-run")
+    assert code == 0, capsys.readouterr().err
+    assert "--ntasks-per-node=1 " not in script.split("set -uo pipefail")[0]  # (SLURM would give 1 node)
+    for line in ("#SBATCH --nodes=1-2", "#SBATCH --mincpus=1", 'NODES=${SLURM_JOB_NUM_NODES:-1}',
+                 '"$PYTHON" -u -m launcher.elastic --config "$CONFIG" --run-dir "$RUN_DIR" --nodes "$NODES"',
+                 '--tasks-per-node 1 --elastic --fixed tp --out "$LAUNCH_CONFIG" || exit $?',
+                 'srun --nodes="$NODES" --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1',
+                 '"$PYTHON" -u -m launcher.worker --config "$LAUNCH_CONFIG" --run-dir "$RUN_DIR" &',
+                 "# deepnet-trainer: slurm-tiny on 1-2 nodes × 1 rank", "chosen at each start; fixed: tp"):
+        assert line in script, line
+    assert subprocess.run(["bash", "-n", os.path.join(run_dir, "slurm", "job.sbatch")]).returncode == 0
+    # the start step itself, without a cluster: 1 node → pp1, 2 nodes → the planner's pick of pp2 / dp… (dp 1: the
+    # config's 1 micro-batch per step)
+    from launcher.elastic import main as start
+
+    launch = str(tmp_path / "launch.yaml")
+    for nodes, layout in ((1, (1, 1, 1)), (2, (2, 1, 1))):
+        assert start(["--config", os.path.join(run_dir, "slurm", "config.yaml"), "--run-dir", run_dir, "--nodes",
+                      str(nodes), "--tasks-per-node", "1", "--elastic", "--out", launch]) == 0
+        p = load_config(launch).parallel
+        assert (p.pipeline_stages, p.tensor_parallel, p.data_parallel) == layout
+        assert f"layout for {count(nodes, 'node')} × 1 rank: pp{layout[0]}·tp1·dp1, train.micro_batches 1 (1 " \
+               "micro-batch per step, as the config)" in capsys.readouterr().out
+    cases = [(["--nodes", "1-2", "--fixed", "pp"], "1 node × 1 rank: no pp × tp × dp layout of 1 rank fits this "
+              "model and its 1 micro-batch per step (fixed: pipeline_stages=2): pp1·tp1·dp1 changes a fixed key"),
+             (["--nodes", "2-1"], "'2-1': nodes must be >= 1, MIN <= MAX"),
+             (["--nodes", "1-2", "--fixed", "xx"], "--fixed xx: 'xx' is not a layout key; use pp, tp, dp"),
+             (["--nodes", "2", "--fixed", "tp"], "--fixed is for elastic jobs (--nodes MIN-MAX)")]
+    for flags, words in cases:
+        code, _, _ = generate(tmp_path / "refused", CONFIG, "--gpus-per-node", "0", "--dry-run", *flags)
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and err.count("\n") == 1, (flags, err)
+    code, _, _ = generate(tmp_path / "gpu", os.path.join(ROOT, "configs", "deepnet-100-100-1024.yaml"), "--nodes",
+                          "8-16", "--gpus-per-node", "8", "--dry-run")
+    assert code == 2 and "an elastic job on GPU nodes needs --gpu TYPE" in capsys.readouterr().err
 
 
 def test_bad_job_flags_are_refused_naming_the_flag_and_write_no_script(tmp_path, capsys):
@@ -148,9 +191,9 @@ def test_a_stopped_runs_relaunch_is_decided_before_the_job_is_written(tmp_path, 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step47").mkdir(parents=True)
     (run_dir / "checkpoints" / "step47" / "weights.pt").write_bytes(b"w" * 64)
-    manifest.commit(str(run_dir / "checkpoints"), "step47", 47)
     saved = to_dict(load_config(CONFIG, {"run_dir": str(run_dir)}))
     saved["train"]["max_steps"] = 60
+    manifest.commit(str(run_dir / "checkpoints"), "step47", 47, extra={"config": saved})  # as the trainer's do
     (run_dir / "config.json").write_text(json.dumps(saved))
     flags = (CONFIG, "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1")
     code, _, script = generate(tmp_path, *flags, "--set", "train.max_steps=40")

@@ -1,7 +1,8 @@
 """The checkpoints of a training run, as one object the Trainer holds: save and commit (with room
 made on a full filesystem), resume the newest intact one (verified against its manifest, falling
-back past damaged ones, which are set aside), resume a universal checkpoint written by
-`./run.sh convert reshard`, and refuse a changed model or layout.
+back past damaged ones, which are set aside; a checkpoint written at another pp × tp × dp layout
+through its universal copy, made before the ranks started: checkpoint/elastic.py), resume a
+universal checkpoint written by `./run.sh convert reshard`, and refuse a changed model.
 
 What a checkpoint carries for the trainer (step, data position, history, guard state) is the
 trainer's: `save` takes it as `client` and `resume` returns it.
@@ -13,23 +14,27 @@ import io
 import json
 import os
 import pickle
-import re
 import shutil
 import sys
 import time
 
-try:
-    import resource
-except ImportError:  # not on every platform
-    resource = None
-
 import torch
 
-from checkpoint import manifest
+from checkpoint import elastic, manifest
 from checkpoint.checkpoints import UNIVERSAL_LATEST, kept_loss_scale
 from runtime import rng, safe_load
 from trainer.config import ConfigError, RunConfig, to_dict
 from trainer.progress import append_log, log0, note0
+from trainer.room import (  # noqa: F401 (NoRoomStop, room_to_make and write_failure are imported from here)
+    ROOM_MARGIN,
+    ROOM_WAITS,
+    UNKNOWN,
+    NoRoomStop,
+    _agreed_room,
+    _tree_bytes,
+    room_to_make,
+    write_failure,
+)
 from trainer.run_dir import record_stop, refusal_hint, resume_differences, saved_run_config, setting_changes
 from trainer.signals import NO_ROOM_EXIT_CODE, refuse_together
 
@@ -45,10 +50,28 @@ class Checkpointer:
         self.resumed_dir: str | None = None  # the checkpoint folder this run resumed from
         self.saved: dict | None = None  # the config of the run's last launch (config.json), as resume found it
         self.max_steps = cfg.train.max_steps  # what this launch trains to (config.json records it)
+        self.resharded: dict | None = None  # resumed from a universal copy: from and to which layout (summary.json)
 
     def attach(self, engine, module: torch.nn.Module) -> None:
         """The engine and the module whose checkpoints these are."""
         self.engine, self.module = engine, module
+
+    def keep_global_batch(self) -> None:
+        """train.micro_batches for this launch's data_parallel, keeping the micro-batches per step of
+        the newest checkpoint (checkpoint/elastic.py `kept_micro_batches`; ./run.sh train and the
+        SLURM job's start have set it already, so this says nothing there)."""
+        tags = manifest.committed_tags(self.ckpt_dir)
+        if not tags:
+            return
+        t = self.cfg.train
+        try:
+            t.micro_batches, line = elastic.kept_micro_batches(self.layout.dp, t.micro_batches, t.keep_global_batch,
+                                                               elastic.recorded(self.ckpt_dir, tags[0]),
+                                                               int(tags[0][4:]), self.cfg.run_dir)
+        except ConfigError as e:
+            self.stop_together(f"error: {e}", code=2)
+        if line:
+            note0(self.cfg.run_dir, line)
 
     def universal(self) -> bool:
         """A run directory made by `./run.sh convert reshard` holds a universal checkpoint of another
@@ -77,26 +100,41 @@ class Checkpointer:
         damaged = []
         for tag in tags:
             tag_dir = os.path.join(self.ckpt_dir, tag)
-            problems = manifest.verify(tag_dir)
+            found = self.source_of(tag)
+            if found is None:  # written at another layout, and no copy: the launch's start makes it
+                if damaged:  # (so that the next start, finding this one the newest, converts it)
+                    self.set_aside(damaged)
+                self.stop_together(f"error: {tag_dir} was written at {elastic.shown(self.written(tag))} and this launch "
+                                   f"runs {elastic.shown(self.mine())}, but its universal copy "
+                                   f"{elastic.copy_dir(self.ckpt_dir, tag)} is not there: start the run with ./run.sh "
+                                   "train (or its SLURM job), which makes it before the ranks start")
+            folder, universal = found
+            problems = manifest.verify(folder)
             if not problems:
-                self.refuse_unsafe(tag_dir)  # a hash proves a file unchanged, not who made it
-                path, client = self._load(tag)
+                self.refuse_unsafe(folder)  # a hash proves a file unchanged, not who made it
+                path, client = self._load(os.path.basename(folder), universal)
                 if path is None:
-                    problems = [f"DeepSpeed could not load {tag_dir}"]
+                    problems = [f"DeepSpeed could not load {folder}"]
                 elif not self.weights_finite():
-                    problems = [f"{tag_dir} holds non-finite weights"]
+                    problems = [f"{folder} holds non-finite weights"]
+            if problems and universal:  # the copy, not the checkpoint: make it again
+                if self.layout.rank == 0:
+                    shutil.rmtree(folder, ignore_errors=True)
+                self.stop_together(f"error: {folder}, the universal copy of {tag}, is damaged: {problems[0]}; it is "
+                                   f"removed: run the same command again to convert {tag} anew")
             if problems:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 note0(self.cfg.run_dir, f"checkpoint {tag} is damaged: {problems[0]}{more}; falling back to an older one")
                 damaged.append(tag)
                 continue
-            self.restored(client, tag_dir)
+            self.restored(client, folder, universal)
+            through = f", resharded through {folder}" if universal else ""
             if damaged:
-                note0(self.cfg.run_dir, f"resumed from the intact checkpoint {tag} (step {client['step']}) instead of "
-                      f"{', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
+                note0(self.cfg.run_dir, f"resumed from the intact checkpoint {tag} (step {client['step']}{through}) "
+                      f"instead of {', '.join(damaged)}; the damaged ones are moved to {self.ckpt_dir}/damaged/")
                 self.set_aside(damaged)
             else:
-                note0(self.cfg.run_dir, f"resumed from {tag_dir} at step {client['step']} (verified)")
+                note0(self.cfg.run_dir, f"resumed from {tag_dir} at step {client['step']} (verified){through}")
                 if why and self.layout.rank == 0:  # `latest` named nothing usable: name the one resumed
                     manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), tag)
             return client
@@ -112,21 +150,42 @@ class Checkpointer:
         if refusal:
             self.stop_together(f"error: {refusal}", code=2)
 
-    def _load(self, tag: str | None):
-        """DeepSpeed's load_checkpoint of `tag` (None: what `latest_universal` names); what it prints
-        on the way (BF16_Optimizer's "_load_legacy_checkpoint …" on every rank) is dropped. Every file
-        is read weights-only: through the engine's safe checkpoint engine (parallel/engine.py), and
+    def mine(self) -> tuple[int, int, int]:
+        return self.layout.pp, self.layout.tp, self.layout.dp
+
+    def written(self, tag: str) -> tuple[int, int, int]:
+        """The layout the committed checkpoint `tag` was written at."""
+        return elastic.layout_of(elastic.recorded(self.ckpt_dir, tag))
+
+    def source_of(self, tag: str) -> tuple[str, bool] | None:
+        """(folder to load, whether it is a universal checkpoint) for the committed checkpoint `tag`:
+        itself when it was written at this launch's layout, else its universal copy, which the
+        launch's start made before the ranks (checkpoint/elastic.py); None when there is none."""
+        if self.written(tag) == self.mine():
+            return os.path.join(self.ckpt_dir, tag), False
+        copy = elastic.committed_copy(self.ckpt_dir, tag)
+        return None if copy is None else (copy, True)
+
+    def _load(self, tag: str | None, universal: bool = False):
+        """DeepSpeed's load_checkpoint of `tag` (None: what `latest_universal` names), as a universal
+        checkpoint or not (the engine's config flag read only by its load); what it prints on the
+        way (BF16_Optimizer's "_load_legacy_checkpoint …" on every rank) is dropped. Every file is
+        read weights-only: through the engine's safe checkpoint engine (parallel/engine.py), and
         what DeepSpeed reads with torch.load itself (a universal checkpoint's files) is forced to be.
         A file refused here (changed since `refuse_unsafe`) stops this rank with one line."""
         folder = os.path.join(self.ckpt_dir, tag or self.universal_tag())
+        config = self.engine._config
+        config.load_universal_checkpoint = universal
         try:
-            with contextlib.redirect_stdout(io.StringIO()), safe_load.forced():
+            with contextlib.redirect_stdout(io.StringIO()), safe_load.forced(safe_load.allowed_for(folder)):
                 return self.engine.load_checkpoint(self.ckpt_dir, tag=tag)
         except (safe_load.UnsafeFile, safe_load.UnreadableFile) as e:
             refusal = str(e)
         except pickle.UnpicklingError as e:  # refused by `forced`, which cannot name the file
             name = safe_load.refused_global(str(e)) or "a pickle that is not a PyTorch file's"
             refusal = safe_load.check_folder(folder) or f"{folder}: a file DeepSpeed read holds {name}, which is not loaded"
+        finally:
+            config.load_universal_checkpoint = False
         print(f"error: {refusal}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 
@@ -158,33 +217,47 @@ class Checkpointer:
                  "checkpoint's manifest records the config")
 
     def resume_universal(self) -> dict:
-        """The universal checkpoint of `./run.sh convert reshard` (it has no manifest: not verified)."""
+        """The universal checkpoint of `./run.sh convert reshard`, verified against its manifest
+        where it has one (made before this version: not verified)."""
         self.check_compatible()
-        self.refuse_unsafe(os.path.join(self.ckpt_dir, self.universal_tag()))
-        path, client = self._load(None)
+        with open(os.path.join(self.ckpt_dir, "latest_universal"), errors="replace") as f:
+            folder = os.path.join(self.ckpt_dir, f.read().strip())
+        problems = manifest.verify(folder) if manifest.read(folder) is not None else []
+        if problems:
+            self.stop_together(f"error: {folder} is damaged: {problems[0]}; convert the source checkpoint again "
+                               "(./run.sh convert reshard) into a new run_dir")
+        self.refuse_unsafe(folder)
+        path, client = self._load(None, universal=True)
         if path is None:
             raise SystemExit(f"error: {self.ckpt_dir}: the checkpoint latest_universal cannot be "
                              "loaded; train afresh in another run_dir")
         if not self.weights_finite():
             raise SystemExit(f"error: {path} holds non-finite weights; it cannot be resumed")
-        self.restored(client, path)
-        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
-        kept = kept_loss_scale(path if os.path.isdir(path) else os.path.dirname(path))
-        if scaler is not None and kept:  # fp16: the scale the source run had reached (checkpoint/checkpoints.py)
-            for key, value in kept.items():
-                setattr(scaler, key, value)
-        note0(self.cfg.run_dir, f"resumed from {path} at step {client['step']} (a universal checkpoint: not verified)")
+        self.restored(client, path, universal=True)
+        verified = "verified" if manifest.read(folder) is not None else "a universal checkpoint: not verified"
+        note0(self.cfg.run_dir, f"resumed from {path} at step {client['step']} ({verified})")
         return client
 
-    def restored(self, client: dict, path: str) -> None:
-        """After the engine loaded a checkpoint: this rank's RNG streams and the config's optimizer
-        settings."""
+    def restored(self, client: dict, path: str, universal: bool = False) -> None:
+        """After the engine loaded a checkpoint: this rank's RNG streams, fp16's loss scale where
+        the universal format could not carry it, and the config's optimizer settings."""
         tag_dir = path if os.path.isdir(path) else os.path.dirname(path)
         self.resumed_dir = os.path.realpath(tag_dir)
         rank = self.layout.rank
         if not rng.load(tag_dir, rank):  # a universal checkpoint of another layout has none
             print(f"rank {rank}: {rng.path(tag_dir, rank)} does not exist (a checkpoint of another layout): "
                   "this rank's dropout masks start afresh", flush=True)
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+        kept = kept_loss_scale(tag_dir) if universal else None
+        if scaler is not None and kept:  # fp16: the scale the source run had reached (checkpoint/checkpoints.py)
+            for key, value in kept.items():
+                setattr(scaler, key, value)
+        if universal:
+            record = manifest.read(tag_dir) or {}
+            source = record.get("layout")
+            self.resharded = {"step": client["step"], "from": elastic.shown(tuple(source)) if source else None,
+                              "to": elastic.shown(self.mine()),
+                              "seconds": record.get("seconds"), "copy": os.path.basename(tag_dir)}
         self.apply_optimizer_config()
 
     def apply_optimizer_config(self) -> None:
@@ -235,16 +308,7 @@ class Checkpointer:
     def set_aside(self, tags: list[str]) -> None:
         torch.distributed.barrier()
         if self.layout.rank == 0:
-            aside = os.path.join(self.ckpt_dir, "damaged")
-            os.makedirs(aside, exist_ok=True)
-            for tag in tags:  # an earlier damaged copy of the same step is kept: the new one gets a suffix
-                name, n = tag, 1
-                while os.path.lexists(os.path.join(aside, name)):
-                    name, n = f"{tag}.{n}", n + 1
-                os.replace(os.path.join(self.ckpt_dir, tag), os.path.join(aside, name))
-            good = manifest.newest_committed(self.ckpt_dir)
-            if good:
-                manifest.write_atomic(os.path.join(self.ckpt_dir, manifest.LATEST), good)
+            manifest.set_aside(self.ckpt_dir, tags)
         torch.distributed.barrier()
 
     def check_compatible(self) -> None:
@@ -309,6 +373,9 @@ class Checkpointer:
             for old in manifest.uncommitted_tags(self.ckpt_dir):
                 if int(old[4:]) < step:
                     shutil.rmtree(os.path.join(self.ckpt_dir, old), ignore_errors=True)
+            # A universal copy served the resume of an earlier step at this layout; a later resume
+            # takes this checkpoint, so the copy (a checkpoint's size) is no longer needed.
+            elastic.drop_copies(self.ckpt_dir, below=step)
         return tag_dir
 
     def _kept_text(self) -> str:
@@ -337,6 +404,7 @@ class Checkpointer:
             removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
             removable += [t for t in manifest.uncommitted_tags(self.ckpt_dir)
                           if int(t[4:]) < step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
+            removable += elastic.copies(self.ckpt_dir, below=step)  # (loaded already; dropped after this save)
         freed = sum(_tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
         need, free, freed = _agreed_room(need, self.ckpt_dir, self.layout.device, freed)
         if not need or free >= need * ROOM_MARGIN:
@@ -360,65 +428,3 @@ class Checkpointer:
         if self.layout.rank == 0:
             record_stop(self.cfg.run_dir, message, NO_ROOM_EXIT_CODE)
         raise NoRoomStop(message)
-
-
-class NoRoomStop(Exception):
-    """Every rank stops before writing a checkpoint that does not fit (exit NO_ROOM_EXIT_CODE)."""
-
-
-ROOM_MARGIN = 1.05  # a checkpoint's size changes little between steps; the margin covers its manifest
-ROOM_WAITS = 5  # re-checks, a second apart, for the room that deleting made
-UNKNOWN = 2**62  # free bytes when the filesystem does not say (statfs failed): not a reason to stop
-
-
-def room_to_make(committed: list[str], keep: int) -> list[str]:
-    """The committed checkpoints (newest first) that may be deleted before the next save to make
-    room: those rotation would delete once it is committed (all but the newest keep − 1), never
-    the newest, which stays the one to resume from should the save fail."""
-    return committed[max(keep - 1, 1):]
-
-
-def write_failure(error: BaseException, where: str) -> str | None:
-    """Why writing a checkpoint into `where` failed, in a few words, or None when `error` is not a
-    failed write. torch's serializer reports a full disk or a file-size limit as a RuntimeError
-    ('file write failed', 'unexpected pos', 'iostream error') without the errno; an OSError keeps it.
-    The free space and any file-size limit of the process are added: they are the usual causes."""
-    if isinstance(error, OSError):
-        what = (error.strerror or str(error)).rstrip(".") + (f": {error.filename}" if error.filename else "")
-    elif isinstance(error, RuntimeError) and any(k in str(error) for k in (
-            "file write failed", "unexpected pos", "iostream error", "PytorchStreamWriter", "Parent directory")):
-        detail = re.sub(r"^\[enforce fail at [^\]]*\][ .]*", "", str(error).strip().splitlines()[-1])[:120]
-        what = f"torch could not write a file: {detail}"
-    else:
-        return None
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else -1
-    if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)):
-        what += f"; this process may write files of at most {limit / 2**20:.1f} MB (ulimit -f)"
-    free = _free_bytes(where)
-    return f"{what}; {'unknown space' if free == UNKNOWN else f'{free / 2**20:.0f} MB'} free on that filesystem"
-
-
-def _tree_bytes(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
-def _free_bytes(path: str) -> int:
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return UNKNOWN
-
-
-def _agreed_room(need: int, path: str, device, freed: int = 0) -> tuple[int, int, int]:
-    """(largest `need`, least free bytes at `path`, largest `freed`) over all ranks: every rank
-    decides alike (rank 0 measures what the others pass as 0)."""
-    box = torch.tensor([float(need), -float(_free_bytes(path)), float(freed)], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
-    return int(box[0].item()), int(-box[1].item()), int(box[2].item())

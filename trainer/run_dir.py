@@ -23,10 +23,13 @@ PREPARED = "prepared"  # refused while run_dir/data was prepared with another va
 #                        would give the checkpoints another tokenizer (launcher/preflight.py)
 HONOURED = "honoured"  # the resumed run uses the new value (the optimizer's settings too, which
 #                        the checkpoint restores and trainer/checkpointer.py sets again)
+RESHARDED = "resharded"  # the layout: the newest checkpoint, written at another one, is converted
+#                          before the ranks start and resumed at the new one (checkpoint/elastic.py)
 NOT_A_SETTING = "not a setting"  # run_dir names the run itself; clusters is read by ./run.sh slurm only
 
 _HONOURED_DATA = ("max_tokens", "sampling_temperature", "workers", "directions")
-_FIXED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel", "zero_stage", "partition_method")
+_FIXED_PARALLEL = ("zero_stage", "partition_method")
+_RESHARDED_PARALLEL = ("pipeline_stages", "tensor_parallel", "data_parallel")  # checkpoint/elastic.py LAYOUT_KEYS
 
 
 def _resume_rules() -> dict[str, str]:
@@ -40,7 +43,8 @@ def _resume_rules() -> dict[str, str]:
     for f in dataclasses.fields(DataConfig):
         rules[f"data.{f.name}"] = HONOURED if f.name in _HONOURED_DATA else PREPARED
     for f in dataclasses.fields(ParallelConfig):
-        rules[f"parallel.{f.name}"] = FIXED if f.name in _FIXED_PARALLEL else HONOURED
+        rules[f"parallel.{f.name}"] = (FIXED if f.name in _FIXED_PARALLEL else
+                                       RESHARDED if f.name in _RESHARDED_PARALLEL else HONOURED)
     for f in dataclasses.fields(TrainConfig):
         # seed: the weights' initialisation and every rank's RNG streams were seeded from it; a
         # resumed run continues those streams from the checkpoint, so a new seed could not take
@@ -64,16 +68,8 @@ def resume_differences(saved: dict, now: dict) -> list[str]:
             for section, key in FIXED_ON_RESUME if differs(section, key)]
 
 
-RESHARDABLE = {"parallel.pipeline_stages", "parallel.data_parallel"}
-"""The fixed keys `./run.sh convert reshard` changes (--pipeline-stages, --data-parallel)."""
-
-
 def refusal_hint(differences: list[str], run_dir: str) -> str:
     """What a user can do about a resume refused for `differences` (resume_differences' lines)."""
-    keys = {line.split(":")[0] for line in differences}
-    if keys <= RESHARDABLE:
-        return (f"to resume at the new layout: ./run.sh convert reshard {run_dir} NEW_RUN_DIR --pipeline-stages P "
-                "--data-parallel D; or use a new run_dir")
     return (f"use a new run_dir (train.init_from={run_dir} starts it from this run's weights where the model's "
             "shapes allow)")
 

@@ -18,6 +18,10 @@ class TrainConfig:
     """Optimizer steps to run."""
     micro_batches: Positive = 1
     """Micro-batches per optimizer step per replica (DeepSpeed gradient_accumulation_steps)."""
+    keep_global_batch: bool = True
+    """A resumed run keeps the micro-batches per step of its checkpoint (data_parallel ×
+    micro_batches), at any layout: micro_batches is set to that number / data_parallel, which must
+    divide it (checkpoint/elastic.py). false: this config's micro_batches, a batch changed on purpose."""
     compile: Literal["auto", True, False] = "auto"
     """Compile every encoder and decoder layer with torch.compile (parallel/compiled.py): true |
     false | auto (true with GPUs, where a step is bound by the host launching small kernels; false

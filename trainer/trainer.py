@@ -107,6 +107,7 @@ class Trainer:
         cfg.model.vocab_size = cfg.model.vocab_size or data_manifest["vocab_size"]
         layout = self.layout
         self.checkpoints = Checkpointer(cfg, layout)
+        self.checkpoints.keep_global_batch()  # train.micro_batches for this dp (before the engine takes it)
         self.init_source = self.start_source()
         self.init_record = self.init_source and self.init_source.record()  # where this run started from
         init = self.init_source and functools.partial(load_into, source=self.init_source)
@@ -401,7 +402,8 @@ class Trainer:
             "divergence_events": len(self.guard.events),
             "divergence": self.guard.events[-20:],
             "layout": {"pipeline_stages": self.layout.pp, "tensor_parallel": self.layout.tp,
-                       "data_parallel": self.layout.dp},
+                       "data_parallel": self.layout.dp, "micro_batches": self.cfg.train.micro_batches},
+            "resharded": self.checkpoints.resharded,
             "init_from": self.init_record,
         }
         if self.layout.rank == 0 and show:

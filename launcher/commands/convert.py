@@ -1,6 +1,7 @@
 """./run.sh convert consolidate|average|reshard: one model file from a checkpoint, one model file
-averaging several checkpoints (checkpoint/average.py), or a checkpoint for another pipeline/data-parallel
-layout (see checkpoint/checkpoints.py for the formats)."""
+averaging several checkpoints (checkpoint/average.py), or a new run directory whose checkpoint
+resumes at another pp × tp × dp layout (see checkpoint/checkpoints.py for the formats; a run
+resumed at another layout in its own run directory needs none: checkpoint/elastic.py)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ from launcher.options import shown_path, user_path
 from schema.text import count
 
 HELP = ("checkpoints: 'consolidate' into one model file, 'average' several into one, 'reshard' to another "
-        "pp × dp layout")
+        "pp × tp × dp layout")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     re.add_argument("out_run_dir", type=user_path, help="new run directory (must not hold checkpoints yet)")
     re.add_argument("--pipeline-stages", type=int, required=True)
     re.add_argument("--data-parallel", type=int, required=True)
+    re.add_argument("--tensor-parallel", type=int, help="tensor-parallel ranks per stage (default: the checkpoint's)")
     re.add_argument("--tag", help="checkpoint tag (default: latest)")
     re.add_argument("--max-steps", type=int, help="new train.max_steps (a finished run needs more to continue)")
 
@@ -63,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {shown_path(out)} ({size:.1f} MiB, step {source['step']}, from {source['checkpoint']}) in "
                   f"{time.perf_counter() - start:.1f} s; use it with ./run.sh translate {shown_path(out)} --to LANG")
         else:
+            for flag in ("pipeline_stages", "data_parallel", "tensor_parallel"):
+                if getattr(args, flag) is not None and getattr(args, flag) < 1:
+                    raise CheckpointError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
             config = reshard(args.source, args.out_run_dir, args.pipeline_stages, args.data_parallel,
-                             args.tag, args.max_steps,
+                             args.tag, args.max_steps, tensor_parallel=args.tensor_parallel,
                              check_config=lambda run_cfg: check_run_config(run_cfg, "the resharded config"))
-            print(f"wrote a universal checkpoint for {count(args.pipeline_stages, 'stage')} × "
+            tp = f" × tensor-parallel {args.tensor_parallel}" if args.tensor_parallel else ""
+            print(f"wrote a universal checkpoint for {count(args.pipeline_stages, 'stage')}{tp} × "
                   f"{count(args.data_parallel, 'replica')} in {time.perf_counter() - start:.1f} s; resume with:\n  ./run.sh train {shown_path(config)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,8 +11,14 @@ import sys
 
 from data.errors import DataError
 from launcher.options import add_config_arguments, caller_cwd, run_dir_override, shown_path
-from launcher.preflight import (check_checkpoint_files, check_init_from, check_resume, check_run_dir, check_trace_steps,
-                                newest_step)
+from launcher.preflight import (
+    check_checkpoint_files,
+    check_init_from,
+    check_resume,
+    check_run_dir,
+    check_trace_steps,
+    newest_step,
+)
 from launcher.slurm import JobSpec, node_cpus, resolved_config_text, tokens_per_step, write_job
 from schema.text import count
 from trainer.config import ConfigError, RunConfig, load_config, parse_set
@@ -25,7 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--cluster", help="one of the config's clusters: layouts (sets the layout, "
                                           "--nodes and --gpus-per-node)")
-    parser.add_argument("--nodes", type=int, help="nodes of the job")
+    parser.add_argument("--nodes", metavar="N|MIN-MAX",
+                        help="nodes of the job; MIN-MAX: an elastic job that SLURM may start on any count in the "
+                             "range, each start (a requeue too) choosing the layout for the nodes it got")
+    parser.add_argument("--fixed", metavar="KEYS",
+                        help="elastic jobs: layout keys kept at the config's values, e.g. tp or pp,tp (default: "
+                             "none; the planner chooses pp, tp and dp within memory)")
+    parser.add_argument("--gpu", metavar="TYPE",
+                        help="elastic jobs on GPU nodes: the GPU type the planner prices layouts for (v100, a100, "
+                             "h100, h200; default: the --cluster entry's)")
     parser.add_argument("--gpus-per-node", type=int,
                         help="GPUs per node, one rank each; 0 runs on CPU nodes with gloo")
     parser.add_argument("--tasks-per-node", type=int,
@@ -49,30 +63,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the script even without the corpus (saying what is missing); submit nothing")
 
 
-def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[int, int, int]:
-    """(nodes, gpus_per_node, tasks_per_node), checked against the config's pp × tp × dp."""
-    nodes = args.nodes if args.nodes is not None else (cluster.nodes if cluster else None)
+def node_range(text: str) -> tuple[int, int]:
+    """--nodes N or MIN-MAX → (min, max); ConfigError naming the flag for anything else."""
+    low, _, high = text.partition("-")
+    try:
+        nodes = (int(low), int(high or low))
+    except ValueError:
+        raise ConfigError(f"--nodes {text!r}: give a node count N or a range MIN-MAX, e.g. 8-16") from None
+    if not 1 <= nodes[0] <= nodes[1]:
+        raise ConfigError(f"--nodes {text!r}: nodes must be >= 1, MIN <= MAX")
+    return nodes
+
+
+def _layout_flags(args: argparse.Namespace, cfg, cluster) -> tuple[tuple[int, int], int, int]:
+    """((min, max) nodes, gpus_per_node, tasks_per_node), checked against the config's pp × tp × dp
+    (an elastic job: against every node count of its range, launcher/elastic.py's choice)."""
+    nodes = node_range(args.nodes) if args.nodes is not None else ((cluster.nodes,) * 2 if cluster else None)
     gpus = args.gpus_per_node if args.gpus_per_node is not None else (cluster.gpus_per_node if cluster else None)
     if nodes is None or gpus is None:
         raise ConfigError("give --nodes and --gpus-per-node (0 for CPU nodes), or --cluster NAME of "
                           "the config's clusters: section")
-    if nodes < 1 or gpus < 0:
-        raise ConfigError("--nodes must be >= 1 and --gpus-per-node >= 0")
+    if gpus < 0:
+        raise ConfigError("--gpus-per-node must be >= 0")
     world = cfg.world_size
     if gpus > 0:
         if args.tasks_per_node not in (None, gpus):
             raise ConfigError("--tasks-per-node: on GPU nodes there is one rank per GPU; leave it out")
         tasks = gpus
     else:
-        tasks = args.tasks_per_node or max(1, world // nodes)
+        tasks = args.tasks_per_node or max(1, world // nodes[1])
     p = cfg.parallel
-    if nodes * tasks != world:
+    if nodes[0] < nodes[1]:
+        _check_elastic(args, cfg, nodes, tasks, gpus, cluster)
+    elif args.fixed or args.gpu:
+        raise ConfigError(f"--{'fixed' if args.fixed else 'gpu'} is for elastic jobs (--nodes MIN-MAX)")
+    elif nodes[0] * tasks != world:
         raise ConfigError(
             f"{args.config}: the layout needs pipeline_stages × tensor_parallel × data_parallel = "
             f"{p.pipeline_stages} × {p.tensor_parallel} × {p.data_parallel} = {count(world, 'rank')}, but "
-            f"--nodes {nodes} × {'--gpus-per-node' if gpus else '--tasks-per-node'} {tasks} = "
-            f"{nodes * tasks}; change the flags or parallel.data_parallel in the config")
+            f"--nodes {nodes[0]} × {'--gpus-per-node' if gpus else '--tasks-per-node'} {tasks} = "
+            f"{nodes[0] * tasks}; change the flags or parallel.data_parallel in the config, or let the job choose "
+            f"with --nodes MIN-MAX")
     return nodes, gpus, tasks
+
+
+def _check_elastic(args: argparse.Namespace, cfg, nodes: tuple[int, int], tasks: int, gpus: int, cluster) -> None:
+    """Every node count of an elastic job's range has a layout (the GPU type's memory checked with
+    --gpu; CPU nodes' memory is the start's to check), before anything is written."""
+    import copy
+
+    from launcher.elastic import choose_layout, fixed_keys
+
+    if gpus and not (args.gpu or (cluster and cluster.gpu)):
+        raise ConfigError("an elastic job on GPU nodes needs --gpu TYPE (v100, a100, h100, h200) for the planner")
+    args.gpu = args.gpu or (cluster.gpu if cluster and gpus else None)
+    fixed = fixed_keys(args.fixed)
+    for n in range(nodes[0], nodes[1] + 1):
+        choose_layout(copy.deepcopy(cfg), n, tasks, args.gpu if gpus else None, fixed, args.config,
+                      memory=bool(gpus))
 
 
 def slurm_seconds(limit: str) -> float:
@@ -117,7 +165,9 @@ def _check_job_flags(args: argparse.Namespace) -> None:
 def _command_line(args: argparse.Namespace) -> str:
     """The ./run.sh command with the flags that were given, for the script's header."""
     words = ["./run.sh", "slurm", args.config]
-    for flag in ("cluster", "nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task", "partition",
+    if args.nodes is not None:
+        words += ["--nodes", args.nodes]
+    for flag in ("cluster", "fixed", "gpu", "gpus_per_node", "tasks_per_node", "cpus_per_task", "partition",
                  "time", "account", "signal_before", "run_dir", "name"):
         value = getattr(args, flag)
         if value is not None and not (flag == "signal_before" and value == 300):
@@ -215,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
     # on them fails here rather than after it was queued. (The device is the compute nodes': the
     # job's ranks check it.)
     check_run_dir(cfg, args.config)
-    saved = check_resume(cfg, args.config)
+    elastic = nodes[0] < nodes[1]
+    saved = check_resume(cfg, args.config, batch=not elastic)  # an elastic start keeps the batch with its dp
     # What the job will do with the run directory (its ranks decide again when it starts)
     verdict, line = relaunch(shown_path(cfg.run_dir), newest_step(cfg), cfg.train.max_steps, launched_max_steps(saved))
     if verdict == BELOW:
@@ -247,11 +298,13 @@ def run(args: argparse.Namespace) -> int:
     run_dir = os.path.abspath(cfg.run_dir)
     cfg.run_dir = run_dir
     p = cfg.parallel
+    layout = (f"chosen at each start; fixed: {args.fixed or 'none'}" if elastic else
+              f"pp={p.pipeline_stages} × tp={p.tensor_parallel} × dp={p.data_parallel}")
     spec = JobSpec(
         name=args.name or os.path.splitext(os.path.basename(args.config))[0],
         run_dir=run_dir, config=os.path.join(run_dir, "slurm", "config.yaml"),
-        nodes=nodes, gpus_per_node=gpus, tasks_per_node=tasks,
-        layout=f"pp={p.pipeline_stages} × tp={p.tensor_parallel} × dp={p.data_parallel}",
+        nodes=nodes[0], max_nodes=nodes[1], gpus_per_node=gpus, tasks_per_node=tasks, layout=layout,
+        fixed=args.fixed, gpu=args.gpu,
         cpus_per_task=cpus, partition=args.partition, time=args.time,
         account=args.account, signal_before=args.signal_before,
         command=_command_line(args), notes=tuple(notes),

@@ -23,6 +23,7 @@ from launcher.preflight import (
     check_run_dir,
     check_trace_steps,
     end_run_here,
+    reshard,
 )
 from launcher.procs import die_with_parent_shell, supervise
 from launcher.runlock import RunDirBusy, RunLock
@@ -122,6 +123,7 @@ def _train(args: argparse.Namespace, cfg) -> int:
     sets = f" with --set {' '.join(args.sets)}" if args.sets else ""
     print(f"config {shown_path(args.config)}{sets} → run directory {shown_path(cfg.run_dir)}", flush=True)
     check_directions(cfg, prepare_data(cfg.data, os.path.join(cfg.run_dir, "data")), args.config)
+    reshard(cfg, args.config)  # a checkpoint of another layout: its universal copy, before the ranks
     with resolved_config(cfg, args.config) as config:
         cmd = deepspeed_command(world, "launcher.worker", ["--config", config, "--run-dir", os.path.abspath(cfg.run_dir)])
         rc = _launch(cmd, env, cfg, layout, world, gpus, cores)

@@ -27,7 +27,7 @@ from trainer.config import load_config
 from trainer.trainer import Trainer
 
 CHANGED = {
-    "train.max_steps": 8, "train.micro_batches": 3, "train.lr": 1e-3, "train.warmup_steps": 6,
+    "train.max_steps": 8, "train.micro_batches": 3, "train.keep_global_batch": False, "train.lr": 1e-3, "train.warmup_steps": 6,
     "train.adam_betas": (0.8, 0.95), "train.adam_eps": 1e-6, "train.weight_decay": 0.01, "train.clip_norm": 1e-3,
     "train.log_interval": 2, "train.valid_interval": 3, "train.save_interval": 5, "train.keep_checkpoints": 1,
     "train.instrument_interval": 2, "train.collective_timeout_seconds": 321.0, "train.stop_grace_seconds": 7.0,

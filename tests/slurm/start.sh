@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Start a real SLURM cluster of seven nodes on this one machine, for tests/test_slurm.py:
-# partition test (node1, node2; the default), faults (node3, node4: ranks killed and stopped) and
-# nodeloss (node5-node7: one node lost whole, and a spare that replaces it).
+# Start a real SLURM cluster of nine nodes on this one machine, for tests/test_slurm.py:
+# partition test (node1, node2; the default), faults (node3, node4: ranks killed and stopped),
+# nodeloss (node5-node7: one node lost whole, and a spare that replaces it) and elastic (node8,
+# node9: a job that continues on one node while the other is drained, then on both again).
 #
 #   tests/slurm/start.sh STATE_DIR
 #
@@ -14,7 +15,7 @@
 # Clients find the cluster through SLURM_CONF=STATE_DIR/slurm.conf.
 set -euo pipefail
 STATE=$(realpath -m "${1:?usage: start.sh STATE_DIR}")
-NODES=(node1 node2 node3 node4 node5 node6 node7)
+NODES=(node1 node2 node3 node4 node5 node6 node7 node8 node9)
 mkdir -p "$STATE"/{munge,ctld,log}
 : >"$STATE/pids"
 
@@ -79,6 +80,7 @@ CONF
   echo "PartitionName=test Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP"
   echo "PartitionName=faults Nodes=node3,node4 MaxTime=INFINITE State=UP"
   echo "PartitionName=nodeloss Nodes=node5,node6,node7 MaxTime=INFINITE State=UP"
+  echo "PartitionName=elastic Nodes=node8,node9 MaxTime=INFINITE State=UP"
 } >"$STATE/slurm.conf"
 export SLURM_CONF="$STATE/slurm.conf"
 
