@@ -282,10 +282,12 @@ def kept_loss_scale(universal_dir: str) -> dict | None:
 
 def needs_zero_shards(tag_dir: str) -> None:
     """Refuse a checkpoint without ZeRO optimizer shards (parallel.zero_stage: 0 keeps the optimizer
-    whole in the model states, which the universal conversion does not read)."""
-    if not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
-        raise CheckpointError(f"{tag_dir} has no ZeRO optimizer shards; resharding needs a checkpoint "
-                              "trained with parallel.zero_stage: 1")
+    whole in the model states, which the universal conversion does not read; in bf16 DeepSpeed
+    writes shard files at stage 0 too, so the run's config decides)."""
+    zero_stage = (checkpoint_meta(tag_dir)["config"].get("parallel") or {}).get("zero_stage", 1)
+    if zero_stage == 0 or not glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        what = "was trained with parallel.zero_stage: 0" if zero_stage == 0 else "has no ZeRO optimizer shards"
+        raise CheckpointError(f"{tag_dir} {what}; resharding needs a checkpoint trained with parallel.zero_stage: 1")
 
 
 def to_universal(tag_dir: str, out_dir: str) -> float:

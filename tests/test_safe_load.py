@@ -36,6 +36,7 @@ from tests.test_flat_optimizer import fp16_unsupported
 
 PLAIN = "tensors and plain values"
 DEEPSPEED = "tensors, plain values and fragment_address"
+UNIVERSAL = "tensors, plain values and SubparamShape"  # a universal checkpoint's zero/<parameter>/ files
 FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
 SUBPARAM = "deepspeed.checkpoint.universal_checkpoint.SubparamShape"
 
@@ -226,7 +227,7 @@ def test_train_refuses_a_universal_checkpoint_with_a_payload(runs, tmp_path, cap
     if not name.endswith(".pt"):  # one parameter's file
         name = os.path.join("zero", sorted(os.listdir(os.path.join(tag_dir, "zero")))[0], f"{name}.pt")
     path = plant(os.path.join(tag_dir, name), tmp_path / "marker")
-    allowed = DEEPSPEED if name.startswith("mp_rank") else PLAIN
+    allowed = DEEPSPEED if name.startswith("mp_rank") else UNIVERSAL if name.count(os.sep) == 2 else PLAIN
     before = snapshot(run_dir)
     assert run_cli(["train", config], capsys) == (2, "", f"error: {config}: {refusal(path, allowed)}\n")
     assert not (tmp_path / "marker").exists() and snapshot(run_dir) == before
@@ -274,7 +275,9 @@ def test_consolidate_refuses_a_payload_and_writes_nothing(runs, tmp_path, capsys
     name = os.path.join("zero", sorted(os.listdir(os.path.join(tag_dir, "zero")))[-1], "fp32.pt") if where == "universal" else where
     path = plant(os.path.join(tag_dir, name), tmp_path / "marker")
     out = tmp_path / "model.pt"
-    assert run_cli(["convert", "consolidate", run_dir, "--out", str(out)], capsys) == (2, "", f"error: {refusal(path)}\n")
+    allowed = UNIVERSAL if where == "universal" else PLAIN
+    assert run_cli(["convert", "consolidate", run_dir, "--out", str(out)], capsys) == (
+        2, "", f"error: {refusal(path, allowed)}\n")
     assert not (tmp_path / "marker").exists() and not out.exists()
 
 

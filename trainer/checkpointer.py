@@ -148,7 +148,7 @@ class Checkpointer:
         rank 0 checks them (memory-mapped: only the pickles are read) and names the file and type."""
         refusal = manifest.broadcast(safe_load.check_folder(tag_dir) if self.layout.rank == 0 else None)
         if refusal:
-            self.stop_together(f"error: {refusal}", code=2)
+            self.stop_together(f"error: {refusal}")
 
     def mine(self) -> tuple[int, int, int]:
         return self.layout.pp, self.layout.tp, self.layout.dp
