@@ -372,11 +372,13 @@ def plan(cfg: ModelConfig, layout: Candidate, dev: Device, mfu: Efficiency) -> P
 
 def candidate_layouts(cfg: ModelConfig, gpus: int, dev: Device, *, global_tokens: int, seq_len: int,
                       microbatch_tokens: tuple[int, ...], precision: str, max_tp: int | None = None,
-                      schedules: tuple[str, ...] = tuple(SCHEDULES)) -> list[Candidate]:
+                      schedules: tuple[str, ...] | None = None) -> list[Candidate]:
     """Every pp × tp × dp = gpus with tp inside a node dividing heads, FFN and vocabulary, every
     micro-batch size, and checkpointing off/every layer; pipelined ones under each of `schedules`
-    (parallel/schedules.py; one with pending bounds under each bound it offers), unpipelined ones
-    under the default. m follows from the global batch."""
+    (parallel/schedules.py, all of them when None: those registered now, after import too; one with
+    pending bounds under each bound it offers), unpipelined ones under the default. m follows from
+    the global batch."""
+    schedules = tuple(SCHEDULES) if schedules is None else schedules
     n_layers = cfg.encoder_layers + cfg.decoder_layers + 2
     out = []
     for tp in (1, 2, 4, 8):

@@ -123,13 +123,14 @@ def test_a_collective_released_during_teardown_aborts_a_plain_exit_but_not_exit_
         assert proc.stdout.split() == ["buffered", "line", "thread", "finished", "exit", "handler", "ran"], proc.stdout
 
 
-def test_a_rank_that_fails_after_joining_the_group_exits_with_its_message_and_status(tmp_path):
-    # configs/default.yaml asks for 2 pipeline stages; one process joins its group, then stops.
+def test_a_rank_that_refuses_after_joining_the_group_exits_with_its_message_and_status(tmp_path):
+    # configs/default.yaml asks for 2 pipeline stages; one process joins its group, then refuses the
+    # layout: a refusal at start exits 2 (docs/operations.md "Run states and exit codes").
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "launcher.worker", "--config", "configs/default.yaml",
                            "--run-dir", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 1 process was launched but parallel.pipeline_stages"), last
     assert "Traceback" not in proc.stderr

@@ -210,7 +210,7 @@ failed or died, no room for a checkpoint); refused by the ranks at start (no int
 unusable train.init_from, a model or layout the run was not trained with, a max_steps below the step)."""
 SUMMARY_KEYS = ("state", "reason", "exit_code", "steps", "max_steps", "checkpoint", "log", "first_valid_loss",
                 "last_valid_loss", "mean_target_tokens_per_s", "wall_seconds_this_launch", "divergence_events",
-                "divergence", "layout", "init_from")
+                "divergence", "layout", "resharded", "init_from")
 """The keys of every summary.json, whatever the ending; null where that ending does not know the value
 (the trainer's numbers when the ranks were stopped at once, failed or refused before their steps)."""
 
