@@ -113,7 +113,7 @@ def test_every_ending_is_recorded_and_a_stopped_run_is_not_called_finished(tiny_
              "stop_grace_seconds": 60}
     config = write_run_config(str(tmp_path / "run.yaml"), run_dir, tiny_data, train=train)
     longer = ("--set", "train.max_steps=400")
-    layout = {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 1}
+    layout = {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 1, "micro_batches": 2}
 
     def summary(state: str, code: int, max_steps: int = 400) -> dict:
         """summary.json of the launch that just ended: its state, exit code and every key."""
@@ -291,20 +291,21 @@ def test_an_ending_the_ranks_could_not_record_has_every_key(tmp_path):
     (run_dir / "checkpoints" / "step4").mkdir(parents=True)
     (run_dir / "checkpoints" / "step4" / "weights.pt").write_bytes(b"w" * 64)
     manifest.commit(str(run_dir / "checkpoints"), "step4", 4)
-    (run_dir / "config.json").write_text(json.dumps({"train": {"max_steps": 40}, "parallel": {
+    (run_dir / "config.json").write_text(json.dumps({"train": {"max_steps": 40, "micro_batches": 6}, "parallel": {
         "pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 3, "precision": "fp32"}}))
     unknown = {"first_valid_loss": None, "last_valid_loss": None, "mean_target_tokens_per_s": None,
-               "wall_seconds_this_launch": None, "divergence_events": None, "divergence": None, "init_from": None}
+               "wall_seconds_this_launch": None, "divergence_events": None, "divergence": None, "resharded": None, "init_from": None}
     record_ending(str(run_dir), "failed", "lost rank 1 on node4 (PID 42) after step 4 (validation): died", 1)
     s = _summary(str(run_dir))
     assert list(s) == list(SUMMARY_KEYS) and s == {
         "state": "failed", "reason": "lost rank 1 on node4 (PID 42) after step 4 (validation): died", "exit_code": 1,
         "steps": 4, "max_steps": 40, "checkpoint": "checkpoints/step4", "log": "train.log",
-        "layout": {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 3}, **unknown}
+        "layout": {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 3, "micro_batches": 6}, **unknown}
     cfg = RunConfig()
     cfg.train.max_steps, cfg.parallel.pipeline_stages = 60, 2
     record_ending(str(run_dir), "stopped", "SIGINT (Ctrl-C): every rank stopped at once, without a checkpoint", 130,
                   known=launch_facts(cfg))
     s = _summary(str(run_dir))
     assert list(s) == list(SUMMARY_KEYS) and (s["max_steps"], s["layout"], s["steps"]) == (
-        60, {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 1}, 4)
+        60, {"pipeline_stages": 2, "tensor_parallel": 1, "data_parallel": 1,
+             "micro_batches": cfg.train.micro_batches}, 4)

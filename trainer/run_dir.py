@@ -216,11 +216,13 @@ SUMMARY_KEYS = ("state", "reason", "exit_code", "steps", "max_steps", "checkpoin
 
 
 def launch_facts(cfg) -> dict:
-    """What summary.json says of a launch from its config alone (a RunConfig): max_steps and layout."""
+    """What summary.json says of a launch from its config alone (a RunConfig, its micro-batches
+    those the launch trains with: after the preflight keeps the global batch): max_steps and layout."""
     p = cfg.parallel
     return {"max_steps": cfg.train.max_steps, "layout": {"pipeline_stages": p.pipeline_stages,
                                                          "tensor_parallel": p.tensor_parallel,
-                                                         "data_parallel": p.data_parallel}}
+                                                         "data_parallel": p.data_parallel,
+                                                         "micro_batches": cfg.train.micro_batches}}
 
 
 def _recorded_facts(run_dir: str) -> dict:
@@ -230,8 +232,9 @@ def _recorded_facts(run_dir: str) -> dict:
             saved = json.load(f)
         p = saved["parallel"]
         return {"max_steps": launched_max_steps(saved),
-                "layout": {key: p[key] for key in ("pipeline_stages", "tensor_parallel", "data_parallel")}}
-    except (OSError, ValueError, KeyError, TypeError):
+                "layout": {**{key: p[key] for key in ("pipeline_stages", "tensor_parallel", "data_parallel")},
+                           "micro_batches": saved["train"].get("micro_batches")}}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
