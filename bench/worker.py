@@ -292,6 +292,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
     stops: list = []
     wall, cpu = instrument(trainer.engine, stops)
     parts = time_trainer_parts(trainer)
+    unrecorded = trainer.stream.next_step  # put back after the speed phase: its batches only
     batches = record_batches(trainer)
     global_batches: list[list[dict]] = []
     next_step = trainer.stream.next_step
@@ -315,6 +316,7 @@ def run_layout(base_config: str, layout: dict, work_dir: str, data_dir: str, mod
             twin_parts = twin.step(step[dp_rank * m:(dp_rank + 1) * m], total)
             if i:
                 plain.append(twin_parts)
+    trainer.stream.next_step = unrecorded  # the steps after (profiled, traced) are not the measured ones
     del batches[0]  # the untimed step's
     mine = {"rank": rank, "stage": trainer.layout.stage, "dp_rank": trainer.layout.replica,
             "baseline_bytes": baseline, "peak_bytes": peak, "live_memory": live, "params": sum(p.numel() for p in trainer.module.parameters()),

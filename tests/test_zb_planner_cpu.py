@@ -45,7 +45,8 @@ def zb_bench(tiny_data, tmp_path_factory):
     config = write_run_config(str(work / "run.yaml"), str(work / "run"), tiny_data, model=MODEL)
     grid = work / "grid.yaml"
     grid.write_text(yaml.safe_dump({"warmup": 2, "steps": 3, "layouts": [LAYOUT]}))
-    assert bench_main([config, "--grid", str(grid), "--out", str(work / "out")]) == 0
+    # --trace: the traced pairs after the measured steps (bench/timeline.py) must not count as measured
+    assert bench_main([config, "--grid", str(grid), "--out", str(work / "out"), "--trace"]) == 0
     row = json.loads((work / "out" / "bench.json").read_text())["rows"][0]
     result = json.loads(next((work / "out" / "work").glob("*.result.json")).read_text())
     cfg = load_config(config).model
@@ -70,6 +71,20 @@ def _all_w_deferred(costs: list[dict], share: float) -> list[dict]:
     first = costs[0]
     w = first["W"] / share
     return [{"F": first["F"], "B": first["B"] - (w - first["W"]), "W": w}] + [{k: c[k] for k in "FBW"} for c in costs[1:]]
+
+
+def test_the_model_flops_are_those_of_the_measured_steps_batches(zb_bench):
+    """TFLOP/s and MFU count the batches of the measured steps, each step's own: the recorded
+    micro-batches of step i hold its target tokens, and the rate is their FLOPs over the steps'
+    seconds (not the traced or profiled steps that run after them)."""
+    from model.flops import batch_flops
+
+    cfg, row, result, _ = zb_bench
+    steps, batches = result["steps"], result["batches"]
+    assert len(batches) == len(steps) == 3 and row["timeline"] is not None
+    assert [sum(sum(b["tgt_lens"]) for b in step) for step in batches] == [s["tokens"] for s in steps]
+    flops = sum(batch_flops(cfg, zip(b["src_lens"], b["tgt_lens"])) for step in batches for b in step)
+    assert row["model_tflops"] == pytest.approx(flops / sum(s["seconds"] for s in steps) / 1e12, rel=1e-12)
 
 
 def test_zb_h1_memory_per_stage_is_the_planners(zb_bench):
