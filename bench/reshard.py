@@ -29,17 +29,6 @@ BENCH = dict(name="reshard", help="the time and disk of resuming at another layo
              paths=("--out", "--json"))
 
 
-def tree_bytes(path: str) -> int:
-    total = 0
-    for root, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
-
-
 def train(config: str, *sets: str) -> str:
     from launcher.launch import ROOT
 
@@ -65,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoint import elastic, manifest
     from data.config import DataConfig
     from data.prepare import prepare_data
+    from trainer.room import tree_bytes
 
     data = {"languages": ["de", "fr"], "vocab_size": 600, "max_tokens": 256, "max_source_len": 48,
             "max_target_len": 48, "dev_size": 40, "test_size": 40}

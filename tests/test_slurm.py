@@ -66,12 +66,13 @@ validation or checkpoint save), and a collective timeout of 20 s."""
 FAULT_GRACE = 15  # job D's script: srun ended this long after the fault report
 
 
-def fault_config(path: str, run_dir: str) -> str:
+def job_config(path: str, run_dir: str, train: dict) -> str:
+    """slurm-tiny's config at `path`, training into `run_dir` with `train`'s settings over its own."""
     import yaml
 
     values = yaml.safe_load(open(CONFIG))
     values["run_dir"] = run_dir
-    values["train"].update(FAULT_CONFIG)
+    values["train"].update(train)
     with open(path, "w") as f:
         yaml.safe_dump(values, f)
     return path
@@ -117,17 +118,6 @@ ELASTIC = {"max_steps": 40, "micro_batches": 2, "save_interval": 1000, "valid_in
 its requeues take."""
 
 
-def elastic_config(path: str, run_dir: str) -> str:
-    import yaml
-
-    values = yaml.safe_load(open(CONFIG))
-    values["run_dir"] = run_dir
-    values["train"].update(ELASTIC)
-    with open(path, "w") as f:
-        yaml.safe_dump(values, f)
-    return path
-
-
 def inject_e(env: dict, job: str, run_dir: str, out: dict) -> None:
     """Job E (--nodes 1-2 on node8, node9): after its fifth step node9 is drained and the job asked
     to checkpoint and requeue (as `scancel --signal=USR1 --batch` does); its next start gets node8
@@ -152,10 +142,10 @@ def jobs(slurm_cluster, tiny_data, tmp_path_factory):
     runs = {"A": str(work / "plain"), "B": str(work / "preempted"), "C": str(work / "faults"),
             "D": str(work / "nodeloss"), "E": str(work / "elastic")}
     ids = {name: submit(cluster, runs[name], tiny_data) for name in ("A", "B")}
-    ids["C"] = submit(cluster, runs["C"], tiny_data, fault_config(str(work / "c.yaml"), runs["C"]), "faults")
-    ids["D"] = submit(cluster, runs["D"], tiny_data, fault_config(str(work / "d.yaml"), runs["D"]), "nodeloss",
+    ids["C"] = submit(cluster, runs["C"], tiny_data, job_config(str(work / "c.yaml"), runs["C"], FAULT_CONFIG), "faults")
+    ids["D"] = submit(cluster, runs["D"], tiny_data, job_config(str(work / "d.yaml"), runs["D"], FAULT_CONFIG), "nodeloss",
                       {"FAULT_GRACE": FAULT_GRACE})
-    ids["E"] = submit(cluster, runs["E"], tiny_data, elastic_config(str(work / "e.yaml"), runs["E"]), "elastic",
+    ids["E"] = submit(cluster, runs["E"], tiny_data, job_config(str(work / "e.yaml"), runs["E"], ELASTIC), "elastic",
                       nodes="1-2")
     injected = {"C": {}, "D": {}, "E": {}}
 

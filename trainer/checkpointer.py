@@ -31,7 +31,7 @@ from trainer.room import (  # noqa: F401 (NoRoomStop, room_to_make and write_fai
     UNKNOWN,
     NoRoomStop,
     _agreed_room,
-    _tree_bytes,
+    tree_bytes,
     room_to_make,
     write_failure,
 )
@@ -400,12 +400,12 @@ class Checkpointer:
         if self.layout.rank == 0 and committed:
             recorded = (manifest.read(os.path.join(self.ckpt_dir, committed[0])) or {}).get("config") or {}
             if recorded.get("parallel", {}).get("precision", self.cfg.parallel.precision) == self.cfg.parallel.precision:
-                need = _tree_bytes(os.path.join(self.ckpt_dir, committed[0]))
+                need = tree_bytes(os.path.join(self.ckpt_dir, committed[0]))
             removable = room_to_make(committed, self.cfg.train.keep_checkpoints)
             removable += [t for t in manifest.uncommitted_tags(self.ckpt_dir)
                           if int(t[4:]) < step and os.path.realpath(os.path.join(self.ckpt_dir, t)) != self.resumed_dir]
             removable += elastic.copies(self.ckpt_dir, below=step)  # (loaded already; dropped after this save)
-        freed = sum(_tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
+        freed = sum(tree_bytes(os.path.join(self.ckpt_dir, t)) for t in removable)
         need, free, freed = _agreed_room(need, self.ckpt_dir, self.layout.device, freed)
         if not need or free >= need * ROOM_MARGIN:
             return

@@ -50,7 +50,8 @@ def write_failure(error: BaseException, where: str) -> str | None:
     return f"{what}; {'unknown space' if free == UNKNOWN else f'{free / 2**20:.0f} MB'} free on that filesystem"
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under `path` (those that vanish while it is walked count 0)."""
     total = 0
     for root, _, names in os.walk(path):
         for name in names:
